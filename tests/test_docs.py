@@ -1,0 +1,940 @@
+"""Tests that keep SKILL.md and references/ true of the code and of the installed SDK.
+
+What they prove, whatever documents exist at the time:
+- SKILL.md loads in agent skill loaders (frontmatter) and stays a router (<= 200 lines,
+  sections in order, <= 12 gotchas, every reference linked with a "read when" condition);
+- every relative link and anchor resolves;
+- every ```python block compiles, and every SDK name it uses (`tinker.X`, `types.X`, methods
+  and fields of the clients, futures and responses) exists, is not deprecated in the installed
+  `tinker`, and is called with keyword arguments its signature accepts: a rename fails here;
+- blocks whose first line is `# runs-against-local-backend` run against the local backend;
+- every price and context window quoted in the docs equals the pricing script's catalogue;
+- every `--flag` the docs give a script exists in that script's `--help`.
+"""
+from __future__ import annotations
+
+import ast
+import builtins
+import collections.abc
+import dataclasses
+import functools
+import inspect
+import os
+import re
+import subprocess
+import sys
+import types as pytypes
+import typing
+from pathlib import Path
+
+import pytest
+import tinker
+import tinker.types
+
+ROOT = Path(__file__).resolve().parent.parent
+SKILL = ROOT / "SKILL.md"
+REFERENCES = ROOT / "references"
+SCRIPTS = ROOT / "scripts"
+RUN_MARKER = "# runs-against-local-backend"
+SCRIPT_NAMES = ("tinker_sft", "tinker_rl", "tinker_infer", "tinker_pricing", "tinker_local")
+
+
+# --------------------------------------------------------------------------- markdown helpers
+
+def doc_files() -> list[Path]:
+    return [SKILL, *sorted(REFERENCES.glob("*.md"))]
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@dataclasses.dataclass
+class Block:
+    path: Path
+    lang: str
+    line: int  # 1-based line of the first code line
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{rel(self.path)}:{self.line}"
+
+
+def split_markdown(text: str) -> tuple[list[tuple[str, int, str]], list[tuple[int, str]]]:
+    """Return (fenced blocks as (lang, first_line, code), prose lines as (lineno, line))."""
+    blocks, prose = [], []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)", lines[i])
+        if m:
+            indent, fence, lang = len(m.group(1)), m.group(2), m.group(3).lower()
+            body, j = [], i + 1
+            while j < len(lines) and not re.match(rf"^\s*{re.escape(fence)}\s*$", lines[j]):
+                line = lines[j]
+                body.append(line[indent:] if line[:indent].strip() == "" else line)
+                j += 1
+            blocks.append((lang, i + 2, "\n".join(body) + "\n"))
+            i = j + 1
+            continue
+        prose.append((i + 1, lines[i]))
+        i += 1
+    return blocks, prose
+
+
+def code_blocks(langs: tuple[str, ...]) -> list[Block]:
+    found = []
+    for path in doc_files():
+        blocks, _ = split_markdown(path.read_text(encoding="utf-8"))
+        found += [Block(path, lang, line, code) for lang, line, code in blocks if lang in langs]
+    return found
+
+
+def strip_code_spans(line: str) -> str:
+    return re.sub(r"`[^`]*`", "", line)
+
+
+def headings(text: str) -> list[tuple[int, str]]:
+    _, prose = split_markdown(text)
+    return [(len(m.group(1)), m.group(2).strip()) for _, line in prose
+            if (m := re.match(r"^(#{1,6})\s+(.*)$", line))]
+
+
+def github_slug(title: str) -> str:
+    title = re.sub(r"`|\*|_(?=\w)|(?<=\w)_", "", title.strip().lower())
+    title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title)
+    title = re.sub(r"[^\w\- ]", "", title)
+    return title.replace(" ", "-")
+
+
+def frontmatter(text: str) -> dict:
+    import yaml  # a dependency of transformers, itself a runtime dependency of the bundle
+
+    m = re.match(r"^---\n(.*?)\n---\n", text, re.S)
+    assert m, "SKILL.md must open with a '---' YAML frontmatter block"
+    data = yaml.safe_load(m.group(1))
+    assert isinstance(data, dict), "frontmatter must be a YAML mapping"
+    return data
+
+
+def markdown_tables(text: str) -> list[tuple[int, list[str], list[tuple[int, list[str]]]]]:
+    """Tables as (first line, header cells, [(lineno, cells)]), outside code blocks."""
+    _, prose = split_markdown(text)
+    tables, run = [], []
+
+    def flush():
+        if len(run) >= 2 and re.match(r"^\s*\|?\s*:?-{3,}", run[1][1]):
+            header = split_row(run[0][1])
+            tables.append((run[0][0], header, [(n, split_row(l)) for n, l in run[2:]]))
+        run.clear()
+
+    previous = None
+    for lineno, line in prose:
+        if line.lstrip().startswith("|") and (previous is None or lineno == previous + 1 or not run):
+            run.append((lineno, line))
+        else:
+            flush()
+            if line.lstrip().startswith("|"):
+                run.append((lineno, line))
+        previous = lineno
+    flush()
+    return tables
+
+
+def split_row(line: str) -> list[str]:
+    line = line.strip()
+    if line.startswith("|"):
+        line = line[1:]
+    if line.endswith("|"):
+        line = line[:-1]
+    cells, cur, in_code = [], "", False
+    i = 0
+    while i < len(line):
+        ch = line[i]
+        if ch == "`":
+            in_code = not in_code
+        if ch == "\\" and i + 1 < len(line) and line[i + 1] == "|":
+            cur += "|"
+            i += 2
+            continue
+        if ch == "|" and not in_code:
+            cells.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+        i += 1
+    cells.append(cur.strip())
+    return cells
+
+
+# --------------------------------------------------------------------------- SKILL.md shape
+
+def test_skill_frontmatter_is_valid_for_skill_loaders():
+    text = SKILL.read_text(encoding="utf-8")
+    meta = frontmatter(text)
+    assert set(meta) >= {"name", "description"}, f"frontmatter keys: {sorted(meta)}"
+    name, description = meta["name"], meta["description"]
+    assert name == "tinker-training-inference"
+    assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", name) and len(name) <= 64
+    assert isinstance(description, str) and 0 < len(description) <= 1024, len(description)
+    assert "<" not in description and ">" not in description
+    assert re.search(r"\bUse when\b", description), "description must say when to use the skill"
+
+
+def test_skill_is_a_router_of_at_most_200_lines():
+    lines = SKILL.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"SKILL.md has {len(lines)} lines; move detail into references/"
+
+
+def test_skill_sections_come_in_the_documented_order():
+    titles = [t.lower() for level, t in headings(SKILL.read_text(encoding="utf-8")) if level == 2]
+    wanted = ["do this first", "pick a path", "scripts", "gotchas", "references"]
+    positions = []
+    for w in wanted:
+        hits = [i for i, t in enumerate(titles) if t.startswith(w)]
+        assert hits, f"SKILL.md has no '## {w.capitalize()}...' section; sections: {titles}"
+        positions.append(hits[0])
+    assert positions == sorted(positions), f"sections out of order: {titles}"
+
+
+def section_lines(text: str, title_prefix: str) -> list[str]:
+    lines, out, inside = text.splitlines(), [], False
+    for line in lines:
+        if re.match(r"^##\s", line):
+            inside = line[2:].strip().lower().startswith(title_prefix)
+            continue
+        if inside:
+            out.append(line)
+    return out
+
+
+def test_skill_lists_at_most_12_gotchas():
+    items = [l for l in section_lines(SKILL.read_text(encoding="utf-8"), "gotchas")
+             if re.match(r"^(\d+\.|[-*])\s", l)]
+    assert 1 <= len(items) <= 12, f"{len(items)} gotchas; the issue allows at most 12"
+
+
+def test_every_reference_is_linked_from_skill_with_a_read_when_condition():
+    text = SKILL.read_text(encoding="utf-8")
+    _, prose = split_markdown(text)
+    for ref in sorted(REFERENCES.glob("*.md")):
+        target = f"references/{ref.name}"
+        rows = [l for _, l in prose if re.search(rf"\]\({re.escape(target)}(#[^)]*)?\)", l)]
+        assert rows, f"SKILL.md does not link {target}"
+        assert any(re.search(r"\bwhen\b", strip_code_spans(r), re.I) for r in rows), (
+            f"SKILL.md links {target} without a 'read when' condition")
+
+
+@pytest.mark.parametrize("ref", sorted(REFERENCES.glob("*.md")), ids=lambda p: p.name)
+def test_reference_opens_with_read_this_when(ref):
+    _, prose = split_markdown(ref.read_text(encoding="utf-8"))
+    body = [l.strip() for _, l in prose if l.strip()]
+    assert body and body[0].startswith("# "), f"{ref.name} must open with a '# Title'"
+    assert body[1].startswith("Read this when"), f"{ref.name}: line after the title: {body[1]!r}"
+
+
+# --------------------------------------------------------------------------- links
+
+LINK = re.compile(r"(?<!!)\[([^\]]*)\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
+
+
+def anchors_of(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for _, title in headings(path.read_text(encoding="utf-8")):
+        slug = github_slug(title)
+        n = seen.get(slug, 0)
+        out.add(slug if n == 0 else f"{slug}-{n}")
+        seen[slug] = n + 1
+    return out
+
+
+@pytest.mark.parametrize("doc", [p for p in [*doc_files(), ROOT / "README.md"] if p.exists()],
+                         ids=rel)
+def test_relative_links_and_anchors_resolve(doc):
+    _, prose = split_markdown(doc.read_text(encoding="utf-8"))
+    broken = []
+    for lineno, line in prose:
+        for _, target in LINK.findall(strip_code_spans(line)):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+                continue  # http:, https:, mailto:
+            file_part, _, anchor = target.partition("#")
+            dest = (doc.parent / file_part).resolve() if file_part else doc
+            if not dest.exists():
+                broken.append(f"{rel(doc)}:{lineno}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors_of(dest):
+                broken.append(f"{rel(doc)}:{lineno}: {target} (no heading #{anchor})")
+    assert not broken, "\n".join(broken)
+
+
+# --------------------------------------------------------------------------- SDK names in code
+
+MODULE_NAMES = {"tinker": tinker, "tinker.types": tinker.types}
+BACKCOMPAT_RESULT = {
+    tinker.BackcompatTrainingClientFuture: tinker.TrainingClient,
+    tinker.BackcompatSamplingClientFuture: tinker.SamplingClient,
+}
+# Conventional variable names documents use without showing where the object came from.
+NAME_HINTS = {
+    "service_client": tinker.ServiceClient,
+    "training_client": tinker.TrainingClient,
+    "sampling_client": tinker.SamplingClient,
+    "rest_client": tinker.RestClient,
+}
+# Keyword arguments the SDK still accepts but has deprecated (it warns or ignores them).
+DEPRECATED_KEYWORDS = {
+    ("save_weights_and_get_sampling_client", "name"),
+    ("forward_backward_custom", "loss_type_input"),
+}
+
+
+def is_sdk(obj) -> bool:
+    mod = getattr(obj, "__module__", "") or ""
+    return mod == "tinker" or mod.startswith("tinker.")
+
+
+def origin_of(tp):
+    return typing.get_origin(tp) or tp
+
+
+@functools.lru_cache(maxsize=None)
+def _namespace(module_name: str) -> dict:
+    ns = {}
+    ns.update(vars(typing))
+    ns.update(vars(collections.abc))
+    ns.update(vars(builtins))
+    ns.update({k: v for k, v in vars(tinker.types).items() if not k.startswith("_")})
+    ns.update({k: v for k, v in vars(tinker).items() if not k.startswith("_")})
+    mod = sys.modules.get(module_name)
+    if mod is not None:
+        ns.update(vars(mod))
+    return ns
+
+
+def annotations_of(obj) -> dict[str, object]:
+    """Annotations evaluated one by one; an annotation that cannot be evaluated is left out."""
+    raw: dict[str, object] = {}
+    owners = reversed(inspect.getmro(obj)) if inspect.isclass(obj) else [obj]
+    for owner in owners:
+        try:
+            raw.update({k: (v, getattr(owner, "__module__", "")) for k, v in
+                        inspect.get_annotations(owner).items()})
+        except Exception:
+            pass
+    out = {}
+    for key, (value, module) in raw.items():
+        if isinstance(value, str):
+            try:
+                value = eval(value, _namespace(module))  # noqa: S307 - SDK annotations only
+            except Exception:
+                continue
+        out[key] = value
+    return out
+
+
+def strip_optional(tp):
+    if typing.get_origin(tp) in (typing.Union, pytypes.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return strip_optional(args[0])
+        return None
+    return tp
+
+
+def has_member(cls, name: str) -> bool:
+    if hasattr(cls, name) or name in getattr(cls, "model_fields", {}):
+        return True
+    if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
+        return True
+    return name in annotations_of(cls)
+
+
+def deprecated(obj) -> bool:
+    return bool(getattr(obj, "__deprecated__", None))
+
+
+# A static type: ("mod", module) | ("cls", class) | ("inst", type) | ("fn", callable, owner type)
+class SdkChecker(ast.NodeVisitor):
+    """Walks one code block in source order, infers SDK types and records misuses."""
+
+    def __init__(self) -> None:
+        self.env: dict[str, tuple] = {}
+        self.errors: list[str] = []
+
+    # ---- statements
+    def bind(self, target, tp) -> None:
+        if isinstance(target, ast.Name):
+            if tp is None and target.id in NAME_HINTS:
+                tp = ("inst", NAME_HINTS[target.id])
+            if tp is None:
+                self.env.pop(target.id, None)
+            else:
+                self.env[target.id] = tp
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for elt in target.elts:
+                self.bind(elt, None)
+        else:
+            self.infer(target)
+
+    def visit_Import(self, node):
+        for alias in node.names:
+            if alias.name == "tinker" or alias.name.startswith("tinker."):
+                try:
+                    mod = __import__(alias.name, fromlist=["_"])
+                except ImportError:
+                    self.error(node, f"module {alias.name} does not exist in tinker {tinker.__version__}")
+                    continue
+                if alias.asname:
+                    self.env[alias.asname] = ("mod", mod)
+                else:
+                    self.env["tinker"] = ("mod", tinker)
+
+    def visit_ImportFrom(self, node):
+        if not node.module or not (node.module == "tinker" or node.module.startswith("tinker.")):
+            return
+        try:
+            mod = __import__(node.module, fromlist=["_"])
+        except ImportError:
+            self.error(node, f"module {node.module} does not exist in tinker {tinker.__version__}")
+            return
+        for alias in node.names:
+            if not hasattr(mod, alias.name):
+                self.error(node, f"{node.module} has no name {alias.name!r}")
+                continue
+            self.env[alias.asname or alias.name] = self.classify(getattr(mod, alias.name), None)
+
+    def visit_Assign(self, node):
+        tp = self.infer(node.value)
+        for target in node.targets:
+            self.bind(target, tp)
+
+    def visit_AnnAssign(self, node):
+        tp = self.infer(node.value) if node.value else None
+        ann = self.infer(node.annotation)
+        if ann and ann[0] == "cls":
+            tp = ("inst", ann[1])
+        self.bind(node.target, tp)
+
+    def visit_For(self, node):
+        self.bind(node.target, self.element_of(self.infer(node.iter)))
+        for stmt in node.body + node.orelse:
+            self.visit(stmt)
+
+    visit_AsyncFor = visit_For
+
+    def visit_With(self, node):
+        for item in node.items:
+            tp = self.infer(item.context_expr)
+            if item.optional_vars is not None:
+                self.bind(item.optional_vars, tp)  # SDK clients return self from __enter__
+        for stmt in node.body:
+            self.visit(stmt)
+
+    visit_AsyncWith = visit_With
+
+    def visit_FunctionDef(self, node):
+        saved = dict(self.env)
+        for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+            ann = self.infer(arg.annotation) if arg.annotation else None
+            self.bind(ast.Name(id=arg.arg), ("inst", ann[1]) if ann and ann[0] == "cls" else None)
+        for default in node.args.defaults + [d for d in node.args.kw_defaults if d]:
+            self.infer(default)
+        for stmt in node.body:
+            self.visit(stmt)
+        self.env = saved
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def generic_visit(self, node):
+        if isinstance(node, ast.expr):
+            self.infer(node)
+            return
+        super().generic_visit(node)
+
+    # ---- expressions
+    def error(self, node, message: str) -> None:
+        self.errors.append(f"line {getattr(node, 'lineno', '?')}: {message}")
+
+    def classify(self, obj, owner):
+        if isinstance(obj, pytypes.ModuleType):
+            return ("mod", obj)
+        if inspect.isclass(obj):
+            return ("cls", obj)
+        if callable(obj):
+            return ("fn", obj, owner)
+        return None
+
+    def element_of(self, tp):
+        if not tp or tp[0] != "inst":
+            return None
+        origin, args = typing.get_origin(tp[1]), typing.get_args(tp[1])
+        if origin in (list, tuple, set, collections.abc.Sequence, typing.Sequence) and args:
+            inner = strip_optional(args[0])
+            return ("inst", inner) if inner is not None else None
+        return None
+
+    def member(self, node, tp, attr):
+        kind = tp[0]
+        if kind == "mod":
+            mod = tp[1]
+            if not hasattr(mod, attr):
+                try:
+                    sub = __import__(f"{mod.__name__}.{attr}", fromlist=["_"])
+                    return ("mod", sub)
+                except ImportError:
+                    self.error(node, f"{mod.__name__}.{attr} does not exist in tinker {tinker.__version__}")
+                    return None
+            obj = getattr(mod, attr)
+            if deprecated(obj):
+                self.error(node, f"{mod.__name__}.{attr} is deprecated in tinker {tinker.__version__}")
+            return self.classify(obj, None)
+        if kind in ("cls", "inst"):
+            cls = origin_of(tp[1])
+            if not inspect.isclass(cls) or not is_sdk(cls):
+                return None
+            if not has_member(cls, attr):
+                what = "method or field"
+                self.error(node, f"{cls.__name__} has no {what} {attr!r} in tinker {tinker.__version__}")
+                return None
+            raw = inspect.getattr_static(cls, attr, None)
+            obj = getattr(cls, attr, None)
+            if deprecated(obj) or deprecated(raw):
+                hint = ""
+                if cls in BACKCOMPAT_RESULT:
+                    hint = " (call .result() on the future first)"
+                self.error(node, f"{cls.__name__}.{attr} is deprecated in tinker {tinker.__version__}{hint}")
+            if isinstance(raw, property):
+                ret = annotations_of(raw.fget).get("return")
+                ret = strip_optional(ret) if ret is not None else None
+                return ("inst", ret) if ret is not None else None
+            if obj is not None and callable(obj) and not inspect.isclass(obj):
+                return ("fn", obj, tp[1] if kind == "inst" else None)
+            if obj is not None and inspect.isclass(obj):
+                return ("cls", obj)
+            field_tp = annotations_of(cls).get(attr)
+            field_tp = strip_optional(field_tp) if field_tp is not None else None
+            return ("inst", field_tp) if field_tp is not None else None
+        return None
+
+    def check_keywords(self, node, fn, name: str) -> None:
+        keywords = [k.arg for k in node.keywords if k.arg]
+        for k in keywords:
+            if (name, k) in DEPRECATED_KEYWORDS:
+                self.error(node, f"{name}({k}=...) is deprecated in tinker {tinker.__version__}")
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return
+        params = sig.parameters
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return
+        for k in keywords:
+            if k not in params or params[k].kind is inspect.Parameter.POSITIONAL_ONLY:
+                self.error(node, f"{name}() takes no keyword {k!r} in tinker {tinker.__version__}; "
+                                 f"it takes {', '.join(p for p in params if p != 'self')}")
+
+    def future_result(self, tp):
+        if not tp or tp[0] != "inst":
+            return None
+        cls = origin_of(tp[1])
+        if cls in BACKCOMPAT_RESULT:
+            return ("inst", BACKCOMPAT_RESULT[cls])
+        if inspect.isclass(cls) and issubclass(cls, tinker.APIFuture):
+            args = typing.get_args(tp[1])
+            if args:
+                inner = strip_optional(args[0])
+                return ("inst", inner) if inner is not None else None
+        return None
+
+    def infer(self, node):
+        if node is None:
+            return None
+        if isinstance(node, ast.Name):
+            if node.id in self.env:
+                return self.env[node.id]
+            if node.id in NAME_HINTS:
+                return ("inst", NAME_HINTS[node.id])
+            return None
+        if isinstance(node, ast.Attribute):
+            base = self.infer(node.value)
+            return self.member(node, base, node.attr) if base else None
+        if isinstance(node, ast.Call):
+            ft = self.infer(node.func)
+            for arg in node.args:
+                self.infer(arg)
+            for kw in node.keywords:
+                self.infer(kw.value)
+            if not ft:
+                return None
+            if ft[0] == "cls":
+                if is_sdk(ft[1]):
+                    self.check_keywords(node, ft[1], ft[1].__name__)
+                return ("inst", ft[1])
+            if ft[0] == "fn":
+                fn, owner = ft[1], ft[2]
+                name = getattr(fn, "__name__", "?")
+                if is_sdk(fn) or (owner is not None and is_sdk(origin_of(owner))):
+                    self.check_keywords(node, fn, name)
+                if name in ("result", "result_async") and owner is not None:
+                    return self.future_result(("inst", owner))
+                ret = annotations_of(fn).get("return")
+                ret = strip_optional(ret) if ret is not None else None
+                return ("inst", ret) if ret is not None else None
+            return None
+        if isinstance(node, ast.Await):
+            tp = self.infer(node.value)
+            return self.future_result(tp)
+        if isinstance(node, ast.Subscript):
+            tp = self.infer(node.value)
+            self.infer(node.slice)
+            if tp and tp[0] == "inst":
+                origin, args = typing.get_origin(tp[1]), typing.get_args(tp[1])
+                if origin in (dict, collections.abc.Mapping, typing.Mapping) and len(args) == 2:
+                    inner = strip_optional(args[1])
+                    return ("inst", inner) if inner is not None else None
+                if not isinstance(node.slice, ast.Slice):
+                    return self.element_of(tp)
+                return tp
+            return None
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            saved = dict(self.env)
+            for gen in node.generators:
+                self.bind(gen.target, self.element_of(self.infer(gen.iter)))
+                for cond in gen.ifs:
+                    self.infer(cond)
+            if isinstance(node, ast.DictComp):
+                self.infer(node.key)
+                self.infer(node.value)
+            else:
+                self.infer(node.elt)
+            self.env = saved
+            return None
+        if isinstance(node, ast.Lambda):
+            return None
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.expr):
+                self.infer(child)
+        return None
+
+
+def sdk_errors(code: str) -> list[str]:
+    tree = ast.parse(code)
+    checker = SdkChecker()
+    for stmt in tree.body:
+        checker.visit(stmt)
+    return checker.errors
+
+
+PYTHON_BLOCKS = code_blocks(("python", "py"))
+
+
+def test_sdk_checker_catches_renamed_methods_stale_fields_and_missing_results():
+    """The checker itself: each misuse the docs must never show is reported."""
+    code = (
+        "import tinker\n"
+        "from tinker import types\n"
+        "sc = tinker.ServiceClient()\n"
+        "tc = sc.create_lora_training_client(base_model='Qwen/Qwen3-8B', rank=32).result()\n"
+        "fwd = tc.forward_backward([], 'cross_entropy').result()\n"
+        "print(fwd.loss)\n"                                          # no .loss in 0.38
+        "tc.save_weights_and_get_sampling_client(name='x')\n"        # deprecated keyword
+        "tc.load_state('tinker://x/weights/y')\n"                   # deprecated method
+        "tc.get_checkpoint_archive_url('p')\n"                      # removed method
+        "p = types.SamplingParams(max_new_tokens=8)\n"               # wrong field
+        "f = tc.optim_step(types.AdamParams(learning_rate=1e-4))\n"
+        "f.metrics\n"                                                # forgot .result()
+        "t2 = sc.create_lora_training_client(base_model='m')\n"
+        "t2.forward_backward([], 'cross_entropy')\n"                 # future used as client
+        "ok = tc.save_state('s').result().path\n"
+        "x = tinker.NoSuchThing\n"
+    )
+    errors = "\n".join(sdk_errors(code))
+    for line, fragment in [(6, "'loss'"), (7, "name=...) is deprecated"), (8, "load_state is deprecated"),
+                           (9, "'get_checkpoint_archive_url'"), (10, "'max_new_tokens'"),
+                           (12, "'metrics'"), (14, "call .result()"), (16, "NoSuchThing")]:
+        assert f"line {line}: " in errors and fragment in errors, (line, fragment, errors)
+    assert "line 15" not in errors and "line 5" not in errors and "line 11" not in errors, errors
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.id)
+def test_python_block_compiles_and_uses_only_current_sdk_names(block):
+    try:
+        compile(block.code, block.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    except SyntaxError as exc:
+        pytest.fail(f"{block.id}: does not compile: {exc}")
+    errors = sdk_errors(block.code)
+    assert not errors, f"{block.id} (line numbers within the block):\n" + "\n".join(errors)
+
+
+RUNNABLE = [b for b in PYTHON_BLOCKS if b.code.lstrip().startswith(RUN_MARKER)]
+
+
+def test_docs_have_at_least_one_block_that_runs_against_the_local_backend():
+    assert RUNNABLE, f"mark a python block in SKILL.md or references/ with '{RUN_MARKER}'"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.id)
+def test_marked_python_block_runs_against_the_local_backend(block, local_tinker, tmp_path):
+    script = tmp_path / "block.py"
+    script.write_text(block.code, encoding="utf-8")
+    env = {**os.environ, **local_tinker.env}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{block.id} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+
+
+# --------------------------------------------------------------------------- prices and windows
+
+MODEL_ID = re.compile(r"`([A-Za-z0-9][\w.-]*/[\w.-]+(?::peft:\d+)?(?::[\w-]+)?)`")
+PRICE_FIELDS = ("prefill", "cached_prefill", "sample", "train")
+
+
+def _field(row, *names):
+    for name in names:
+        if isinstance(row, dict) and name in row:
+            return row[name]
+        if hasattr(row, name):
+            return getattr(row, name)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def catalogue() -> dict[str, dict]:
+    """The pricing script's catalogue as {tinker id: {context, prefill, cached_prefill, sample, train}}."""
+    import tinker_pricing  # scripts/ is on pythonpath (pyproject)
+
+    cat = None
+    for name in ("catalogue", "CATALOGUE", "load_catalogue", "MODELS"):
+        cat = getattr(tinker_pricing, name, None)
+        if cat is not None:
+            break
+    assert cat is not None, "tinker_pricing exposes no catalogue"
+    if callable(cat):
+        cat = cat()
+    rows = cat.get("models", cat) if isinstance(cat, dict) and "models" in cat else cat
+    items = rows.items() if isinstance(rows, dict) else [(None, r) for r in rows]
+    out = {}
+    for key, row in items:
+        model_id = _field(row, "id", "tinker_id", "model", "name") or key
+        out[model_id] = {
+            "context": _field(row, "context", "context_window", "max_context", "ctx"),
+            "prefill": _field(row, "prefill"),
+            "cached_prefill": _field(row, "cached_prefill", "cached"),
+            "sample": _field(row, "sample"),
+            "train": _field(row, "train"),
+        }
+    return out
+
+
+def parse_number(cell: str):
+    cell = strip_markup(cell)
+    if re.search(r"unknown|not found|n/a|—|–|^-$|^$", cell, re.I):
+        return None
+    m = re.match(r"^\$?\s*([\d,]*\.?\d+)\s*([KkMm]?)\b", cell)
+    if not m:
+        return "unparsed"
+    value = float(m.group(1).replace(",", ""))
+    unit = m.group(2).upper()
+    return value * (1024 if unit == "K" else 1024 * 1024 if unit == "M" else 1)
+
+
+def strip_markup(cell: str) -> str:
+    return re.sub(r"[`*]", "", cell).strip()
+
+
+def column_role(header: str):
+    h = header.lower()
+    if "context" in h or h in ("ctx", "window"):
+        return "context"
+    if "cached" in h:
+        return "cached_prefill"
+    if "prefill" in h or h == "input":
+        return "prefill"
+    if "sample" in h or h == "output":
+        return "sample"
+    if "train" in h:
+        return "train"
+    return None
+
+
+def quoted_figures() -> list[tuple[str, str, str, float]]:
+    """(where, model id, field, value) for every price or window the docs quote."""
+    figures = []
+    for path in doc_files():
+        text = path.read_text(encoding="utf-8")
+        for _, header, rows in markdown_tables(text):
+            roles = [column_role(h) for h in header]
+            if not any(roles):
+                continue
+            for lineno, cells in rows:
+                ids = [m for c in cells for m in MODEL_ID.findall(c)]
+                if len(ids) != 1:
+                    continue
+                for role, cell in zip(roles, cells):
+                    if role is None:
+                        continue
+                    value = parse_number(cell)
+                    figures.append((f"{rel(path)}:{lineno}", ids[0], role, value))
+        _, prose = split_markdown(text)
+        for lineno, line in prose:
+            if line.lstrip().startswith("|"):
+                continue
+            ids = set(MODEL_ID.findall(line))
+            prices = re.findall(r"\$(\d+(?:\.\d+)?)\s*(?:/\s*1?M\b|per (?:1M|million))", line)
+            if len(ids) == 1 and prices:
+                for p in prices:
+                    figures.append((f"{rel(path)}:{lineno}", next(iter(ids)), "any-rate", float(p)))
+    return figures
+
+
+def test_quoted_prices_and_context_windows_equal_the_catalogue():
+    figures = quoted_figures()
+    if not figures:
+        return  # nothing quoted: nothing that can drift
+    cat = catalogue()
+    wrong = []
+    for where, model, field, value in figures:
+        row = cat.get(model)
+        if row is None:
+            wrong.append(f"{where}: {model} is not in the catalogue")
+            continue
+        if value == "unparsed":
+            wrong.append(f"{where}: cannot read the {field} figure for {model}")
+            continue
+        if field == "any-rate":
+            rates = [row[f] for f in PRICE_FIELDS if row[f] is not None]
+            if not any(abs(value - float(r)) < 1e-9 for r in rates):
+                wrong.append(f"{where}: ${value}/M for {model} is none of its rates {rates}")
+            continue
+        expected = row[field]
+        if value is None or expected is None:
+            if (value is None) != (expected is None):
+                wrong.append(f"{where}: {model} {field} is {value}, catalogue has {expected}")
+            continue
+        if abs(float(expected) - value) > 1e-9:
+            wrong.append(f"{where}: {model} {field} is {value}, catalogue has {expected}")
+    assert not wrong, "\n".join(wrong)
+
+
+# --------------------------------------------------------------------------- script flags
+
+@functools.lru_cache(maxsize=None)
+def script_help(*argv: str) -> tuple[int, str]:
+    script = SCRIPTS / f"{argv[0]}.py"
+    if not script.exists():
+        return 127, ""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0", "NO_COLOR": "1",
+           "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, str(script), *argv[1:], "--help"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def invocations() -> list[tuple[str, str, list[str]]]:
+    """(where, script, args) for every command line in the docs that runs one of the scripts."""
+    found = []
+    name_re = re.compile(r"(?:\S*/)?(" + "|".join(SCRIPT_NAMES) + r")\.py\b")
+    for path in [*doc_files(), ROOT / "README.md"]:
+        if not path.exists():
+            continue
+        text = path.read_text(encoding="utf-8")
+        blocks, prose = split_markdown(text)
+        candidates = []
+        for lang, line, code in blocks:
+            if lang in ("", "bash", "sh", "shell", "console", "text", "zsh"):
+                logical = re.sub(r"\\\n\s*", " ", code)
+                candidates += [(line, l) for l in logical.splitlines()]
+        for lineno, line in prose:
+            candidates += [(lineno, span) for span in re.findall(r"`([^`]+)`", line)]
+        for lineno, line in candidates:
+            for m in name_re.finditer(line):
+                rest = re.split(r"\s(?:&&|\|\||;|\||--)(?:\s|$)|[#`]", line[m.end():])[0]
+                found.append((f"{rel(path)}:{lineno}", m.group(1), rest.split()))
+    return found
+
+
+def help_path(script: str, args: list[str]) -> tuple[tuple[str, ...], list[str]]:
+    """The deepest (sub)command whose --help works, and the flags given to it."""
+    path = (script,)
+    for token in args:
+        if token.startswith("-") or not re.fullmatch(r"[a-z][a-z0-9-]*", token):
+            break
+        rc, _ = script_help(*path, token)
+        if rc != 0:
+            break
+        path = (*path, token)
+    flags = [a.split("=", 1)[0] for a in args if re.match(r"^--[a-z0-9][a-z0-9-]*", a)]
+    return path, flags
+
+
+def has_flag(help_text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+def test_flags_given_to_scripts_exist_in_their_help():
+    wrong = []
+    for where, script, args in invocations():
+        if not (SCRIPTS / f"{script}.py").exists():
+            wrong.append(f"{where}: scripts/{script}.py does not exist")
+            continue
+        path, flags = help_path(script, args)
+        rc, text = script_help(*path)
+        if rc != 0:
+            wrong.append(f"{where}: `{' '.join(path)} --help` exits {rc}")
+            continue
+        wrong += [f"{where}: {' '.join(path)} has no {f}" for f in flags if not has_flag(text, f)]
+    assert not wrong, "\n".join(wrong)
+
+
+# Flags of other tools the docs may name in prose (pip, the tinker CLI, uv, pytest).
+OTHER_TOOLS_FLAGS = {
+    "--no-deps", "--ignore-requires-python", "--help", "--format", "--run-id", "--limit",
+    "--ttl", "--remove", "--output", "--force", "--repo", "--public", "--type", "--csv",
+    "--url-only", "--columns", "--before", "--after",
+}
+
+
+def all_script_flags() -> set[str]:
+    flags: set[str] = set()
+    for script in SCRIPT_NAMES:
+        rc, text = script_help(script)
+        if rc != 0:
+            continue
+        flags |= set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", text))
+        subs = set(re.findall(r"^\s{2,}([a-z][a-z0-9-]+)\s", text, re.M))
+        for sub in subs:
+            rc, sub_text = script_help(script, sub)
+            if rc == 0:
+                flags |= set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", sub_text))
+    return flags
+
+
+def test_flags_named_in_prose_exist_in_some_script_or_tool():
+    named = []
+    for path in doc_files():
+        _, prose = split_markdown(path.read_text(encoding="utf-8"))
+        for lineno, line in prose:
+            for span in re.findall(r"`([^`]+)`", line):
+                if re.search(r"\.py\b|\bpip\b|\btinker\s+[a-z]", span):
+                    continue  # whole commands are checked against their own --help above
+                named += [(f"{rel(path)}:{lineno}", f) for f in
+                          re.findall(r"(?:^|\s)(--[a-z0-9][a-z0-9-]*)", span)]
+    if not named:
+        return
+    known = all_script_flags() | OTHER_TOOLS_FLAGS
+    wrong = [f"{where}: {flag} is in no script's --help" for where, flag in named if flag not in known]
+    assert not wrong, "\n".join(wrong)
+
+
+REQUIRED_REFERENCES = (
+    "setup.md", "training-sft.md", "training-rl.md", "agentic-rl.md", "inference.md",
+    "checkpoints.md", "hyperparameters.md", "chat-templates.md", "pricing.md",
+    "troubleshooting.md", "reference-implementation.md",
+)
+
+
+def test_all_eleven_references_exist():
+    missing = [name for name in REQUIRED_REFERENCES if not (REFERENCES / name).exists()]
+    assert not missing, f"references/ lacks {missing}"
