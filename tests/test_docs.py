@@ -691,41 +691,12 @@ MODEL_ID = re.compile(r"`([A-Za-z0-9][\w.-]*/[\w.-]+(?::peft:\d+)?(?::[\w-]+)?)`
 PRICE_FIELDS = ("prefill", "cached_prefill", "sample", "train")
 
 
-def _field(row, *names):
-    for name in names:
-        if isinstance(row, dict) and name in row:
-            return row[name]
-        if hasattr(row, name):
-            return getattr(row, name)
-    return None
-
-
 @functools.lru_cache(maxsize=1)
 def catalogue() -> dict[str, dict]:
-    """The pricing script's catalogue as {tinker id: {context, prefill, cached_prefill, sample, train}}."""
+    """The pricing script's dated snapshot as {tinker id: row}; never a local refresh override."""
     import tinker_pricing  # scripts/ is on pythonpath (pyproject)
 
-    cat = None
-    for name in ("catalogue", "CATALOGUE", "load_catalogue", "MODELS"):
-        cat = getattr(tinker_pricing, name, None)
-        if cat is not None:
-            break
-    assert cat is not None, "tinker_pricing exposes no catalogue"
-    if callable(cat):
-        cat = cat()
-    rows = cat.get("models", cat) if isinstance(cat, dict) and "models" in cat else cat
-    items = rows.items() if isinstance(rows, dict) else [(None, r) for r in rows]
-    out = {}
-    for key, row in items:
-        model_id = _field(row, "id", "tinker_id", "model", "name") or key
-        out[model_id] = {
-            "context": _field(row, "context", "context_window", "max_context", "ctx"),
-            "prefill": _field(row, "prefill"),
-            "cached_prefill": _field(row, "cached_prefill", "cached"),
-            "sample": _field(row, "sample"),
-            "train": _field(row, "train"),
-        }
-    return out
+    return {row["id"]: row for row in tinker_pricing.SNAPSHOT}
 
 
 def parse_number(cell: str):
@@ -746,6 +717,8 @@ def strip_markup(cell: str) -> str:
 
 def column_role(header: str):
     h = header.lower()
+    if "list" in h or "date" in h:
+        return None  # list (undiscounted) prices and dates are not billed rates
     if "context" in h or h in ("ctx", "window"):
         return "context"
     if "cached" in h:
@@ -759,63 +732,75 @@ def column_role(header: str):
     return None
 
 
-def quoted_figures() -> list[tuple[str, str, str, float]]:
-    """(where, model id, field, value) for every price or window the docs quote."""
+def figures_in(text: str, where: str) -> list[tuple[str, str, str, object]]:
+    """(where, model id, field, value) for every price or window a document quotes."""
     figures = []
-    for path in doc_files():
-        text = path.read_text(encoding="utf-8")
-        for _, header, rows in markdown_tables(text):
-            roles = [column_role(h) for h in header]
-            if not any(roles):
+    for _, header, rows in markdown_tables(text):
+        roles = [column_role(h) for h in header]
+        if not any(roles):
+            continue
+        for lineno, cells in rows:
+            ids = [m for c in cells for m in MODEL_ID.findall(c)]
+            if len(ids) != 1:
                 continue
-            for lineno, cells in rows:
-                ids = [m for c in cells for m in MODEL_ID.findall(c)]
-                if len(ids) != 1:
-                    continue
-                for role, cell in zip(roles, cells):
-                    if role is None:
-                        continue
-                    value = parse_number(cell)
-                    figures.append((f"{rel(path)}:{lineno}", ids[0], role, value))
-        _, prose = split_markdown(text)
-        for lineno, line in prose:
-            if line.lstrip().startswith("|"):
-                continue
-            ids = set(MODEL_ID.findall(line))
-            prices = re.findall(r"\$(\d+(?:\.\d+)?)\s*(?:/\s*1?M\b|per (?:1M|million))", line)
-            if len(ids) == 1 and prices:
-                for p in prices:
-                    figures.append((f"{rel(path)}:{lineno}", next(iter(ids)), "any-rate", float(p)))
+            for role, cell in zip(roles, cells):
+                if role is not None:
+                    figures.append((f"{where}:{lineno}", ids[0], role, parse_number(cell)))
+    _, prose = split_markdown(text)
+    for lineno, line in prose:
+        if line.lstrip().startswith("|"):
+            continue
+        ids = set(MODEL_ID.findall(line))
+        prices = re.findall(r"\$(\d+(?:\.\d+)?)\s*(?:/\s*1?M\b|per (?:1M|million))", line)
+        if len(ids) == 1:
+            figures += [(f"{where}:{lineno}", next(iter(ids)), "any-rate", float(p)) for p in prices]
     return figures
 
 
-def test_quoted_prices_and_context_windows_equal_the_catalogue():
-    figures = quoted_figures()
-    if not figures:
-        return  # nothing quoted: nothing that can drift
+def mismatches(figures) -> list[str]:
     cat = catalogue()
     wrong = []
     for where, model, field, value in figures:
         row = cat.get(model)
         if row is None:
             wrong.append(f"{where}: {model} is not in the catalogue")
-            continue
-        if value == "unparsed":
+        elif value == "unparsed":
             wrong.append(f"{where}: cannot read the {field} figure for {model}")
-            continue
-        if field == "any-rate":
+        elif field == "any-rate":
             rates = [row[f] for f in PRICE_FIELDS if row[f] is not None]
             if not any(abs(value - float(r)) < 1e-9 for r in rates):
                 wrong.append(f"{where}: ${value}/M for {model} is none of its rates {rates}")
-            continue
-        expected = row[field]
-        if value is None or expected is None:
-            if (value is None) != (expected is None):
-                wrong.append(f"{where}: {model} {field} is {value}, catalogue has {expected}")
-            continue
-        if abs(float(expected) - value) > 1e-9:
-            wrong.append(f"{where}: {model} {field} is {value}, catalogue has {expected}")
-    assert not wrong, "\n".join(wrong)
+        elif value is None or row[field] is None:
+            if (value is None) != (row[field] is None):
+                wrong.append(f"{where}: {model} {field} is {value}, catalogue has {row[field]}")
+        elif abs(float(row[field]) - value) > 1e-9:
+            wrong.append(f"{where}: {model} {field} is {value}, catalogue has {row[field]}")
+    return wrong
+
+
+def test_price_check_accepts_the_catalogue_table_and_catches_a_changed_rate():
+    import tinker_pricing
+
+    table = tinker_pricing.markdown_table(tinker_pricing.SNAPSHOT)
+    figures = figures_in(table, "generated")
+    assert len(figures) >= 5 * 29, len(figures)  # context + four rates for every priced row
+    assert mismatches(figures) == []
+    qwen = catalogue()["Qwen/Qwen3-8B"]
+    stale = ("| model | context | prefill | cached | sample | train |\n|---|---|---|---|---|---|\n"
+             f"| `Qwen/Qwen3-8B` | 32K | 0.13 | {qwen['cached_prefill']} | 0.40 | 0.40 |\n"
+             "Qwen3-8B (`Qwen/Qwen3-8B`) trains at $0.40/M.\n")
+    wrong = mismatches(figures_in(stale, "stale"))
+    assert len(wrong) == 4, wrong  # prefill, sample, train in the table, and the inline rate
+    assert any("prefill is 0.13" in w for w in wrong)
+
+
+def test_quoted_prices_and_context_windows_equal_the_catalogue():
+    figures = []
+    for path in doc_files():
+        figures += figures_in(path.read_text(encoding="utf-8"), rel(path))
+    if figures:
+        wrong = mismatches(figures)
+        assert not wrong, "\n".join(wrong)
 
 
 # --------------------------------------------------------------------------- script flags
