@@ -701,7 +701,7 @@ def catalogue() -> dict[str, dict]:
 
 def parse_number(cell: str):
     cell = strip_markup(cell)
-    if re.search(r"unknown|not found|n/a|—|–|^-$|^$", cell, re.I):
+    if re.search(r"unknown|not found|not offered|n/a|—|–|^-$|^$", cell, re.I):
         return None
     m = re.match(r"^\$?\s*([\d,]*\.?\d+)\s*([KkMm]?)\b", cell)
     if not m:
