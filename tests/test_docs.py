@@ -817,26 +817,32 @@ def script_help(*argv: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def invocations() -> list[tuple[str, str, list[str]]]:
-    """(where, script, args) for every command line in the docs that runs one of the scripts."""
+SCRIPT_CALL = re.compile(r"(?:\S*/)?(" + "|".join(SCRIPT_NAMES) + r")\.py\b")
+
+
+def invocations_in(text: str, where: str) -> list[tuple[str, str, list[str]]]:
+    """(where, script, args) for every command line in a document that runs one of the scripts."""
+    blocks, prose = split_markdown(text)
+    candidates = []
+    for lang, line, code in blocks:
+        if lang in ("", "bash", "sh", "shell", "console", "text", "zsh"):
+            logical = re.sub(r"\\\n\s*", " ", code)
+            candidates += [(line, l) for l in logical.splitlines()]
+    for lineno, line in prose:
+        candidates += [(lineno, span) for span in re.findall(r"`([^`]+)`", line)]
     found = []
-    name_re = re.compile(r"(?:\S*/)?(" + "|".join(SCRIPT_NAMES) + r")\.py\b")
+    for lineno, line in candidates:
+        for m in SCRIPT_CALL.finditer(line):
+            rest = re.split(r"\s(?:&&|\|\||;|\||--)(?:\s|$)|[#`]", line[m.end():])[0]
+            found.append((f"{where}:{lineno}", m.group(1), rest.split()))
+    return found
+
+
+def invocations() -> list[tuple[str, str, list[str]]]:
+    found = []
     for path in [*doc_files(), ROOT / "README.md"]:
-        if not path.exists():
-            continue
-        text = path.read_text(encoding="utf-8")
-        blocks, prose = split_markdown(text)
-        candidates = []
-        for lang, line, code in blocks:
-            if lang in ("", "bash", "sh", "shell", "console", "text", "zsh"):
-                logical = re.sub(r"\\\n\s*", " ", code)
-                candidates += [(line, l) for l in logical.splitlines()]
-        for lineno, line in prose:
-            candidates += [(lineno, span) for span in re.findall(r"`([^`]+)`", line)]
-        for lineno, line in candidates:
-            for m in name_re.finditer(line):
-                rest = re.split(r"\s(?:&&|\|\||;|\||--)(?:\s|$)|[#`]", line[m.end():])[0]
-                found.append((f"{rel(path)}:{lineno}", m.group(1), rest.split()))
+        if path.exists():
+            found += invocations_in(path.read_text(encoding="utf-8"), rel(path))
     return found
 
 
@@ -858,9 +864,9 @@ def has_flag(help_text: str, flag: str) -> bool:
     return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
 
 
-def test_flags_given_to_scripts_exist_in_their_help():
+def flag_errors(found) -> list[str]:
     wrong = []
-    for where, script, args in invocations():
+    for where, script, args in found:
         if not (SCRIPTS / f"{script}.py").exists():
             wrong.append(f"{where}: scripts/{script}.py does not exist")
             continue
@@ -870,6 +876,23 @@ def test_flags_given_to_scripts_exist_in_their_help():
             wrong.append(f"{where}: `{' '.join(path)} --help` exits {rc}")
             continue
         wrong += [f"{where}: {' '.join(path)} has no {f}" for f in flags if not has_flag(text, f)]
+    return wrong
+
+
+def test_flag_check_reads_subcommands_and_catches_an_unknown_flag():
+    text = ("```bash\n"
+            "python scripts/tinker_pricing.py estimate-rl --model Qwen/Qwen3-8B \\\n"
+            "    --iterations 50 --group-size 8 --bogus-flag 3\n"
+            "```\n"
+            "Then `tinker_pricing.py init --out . --force` and `tinker_pricing.py list --json`.\n")
+    found = invocations_in(text, "doc")
+    assert [(s, a[0]) for _, s, a in found] == [
+        ("tinker_pricing", "estimate-rl"), ("tinker_pricing", "init"), ("tinker_pricing", "list")]
+    assert flag_errors(found) == ["doc:2: tinker_pricing estimate-rl has no --bogus-flag"]
+
+
+def test_flags_given_to_scripts_exist_in_their_help():
+    wrong = flag_errors(invocations())
     assert not wrong, "\n".join(wrong)
 
 
@@ -881,18 +904,29 @@ OTHER_TOOLS_FLAGS = {
 }
 
 
+def subcommands(script: str, help_text: str) -> set[str]:
+    words = {w for group in re.findall(r"\{([a-z0-9,-]+)\}", help_text) for w in group.split(",")}
+    words |= set(re.findall(rf"{script}\.py ([a-z][a-z0-9-]+)", help_text))
+    return words
+
+
 def all_script_flags() -> set[str]:
     flags: set[str] = set()
+    flag_re = re.compile(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)")
     for script in SCRIPT_NAMES:
         rc, text = script_help(script)
         if rc != 0:
             continue
-        flags |= set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", text))
-        subs = set(re.findall(r"^\s{2,}([a-z][a-z0-9-]+)\s", text, re.M))
-        for sub in subs:
+        flags |= set(flag_re.findall(text))
+        for sub in subcommands(script, text):
             rc, sub_text = script_help(script, sub)
-            if rc == 0:
-                flags |= set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", sub_text))
+            if rc != 0:
+                continue
+            flags |= set(flag_re.findall(sub_text))
+            for subsub in subcommands(script, sub_text) - {sub}:
+                rc, deep = script_help(script, sub, subsub)
+                if rc == 0:
+                    flags |= set(flag_re.findall(deep))
     return flags
 
 
