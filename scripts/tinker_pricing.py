@@ -428,14 +428,21 @@ def rl_tokens(iterations: int, tasks_per_iter: int, group_size: int, avg_prompt:
 
 
 def count_sft_tokens(path: str | os.PathLike, tokenizer, max_length: int | None = None) -> dict:
-    """Exact billed SFT tokens of a JSONL file for one epoch: sum of datum lengths.
+    """Billed SFT tokens of a JSONL file for one epoch: the sum of datum lengths.
 
-    Rows hold `messages` (rendered with the tokenizer's chat template), `text`, or `prompt` +
-    `completion`. A datum's model_input is the rendered tokens minus the last one (targets are
-    shifted by one), after truncation to `max_length`. Returns {"examples", "train_tokens", "max"}.
+    Rows hold `messages`, or `prompt` + `completion` (rendered as a user/assistant exchange with the
+    tokenizer's chat template, or concatenated when it has none), or `text`. A datum's model_input is
+    the rendered tokens minus the last one (targets are shifted by one), after truncation to
+    `max_length`. The SFT script's own renderer may differ by a few tokens per example (thinking
+    blocks, template kwargs). Returns {"examples", "train_tokens", "max"}.
     """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
     examples = total = longest = 0
-    with open(path, encoding="utf-8") as fh:
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    with fh:
         for line_no, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -443,15 +450,21 @@ def count_sft_tokens(path: str | os.PathLike, tokenizer, max_length: int | None 
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{line_no} is not JSON ({exc.msg})") from None
-            if isinstance(row, dict) and isinstance(row.get("messages"), list):
-                ids = tokenizer.apply_chat_template(row["messages"], tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) else ids
-            elif isinstance(row, dict) and isinstance(row.get("text"), str):
+            row = row if isinstance(row, dict) else {}
+            messages = row.get("messages")
+            if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+                if has_template:
+                    messages = [{"role": "user", "content": row["prompt"]},
+                                {"role": "assistant", "content": row["completion"]}]
+                else:
+                    row = {"text": row["prompt"] + row["completion"]}
+            if isinstance(messages, list):
+                ids = tokenizer.apply_chat_template(messages, tokenize=True)
+                ids = ids if isinstance(ids, list) else ids["input_ids"]
+            elif isinstance(row.get("text"), str):
                 ids = tokenizer.encode(row["text"])
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-                ids = tokenizer.encode(row["prompt"]) + tokenizer.encode(row["completion"], add_special_tokens=False)
             else:
-                raise ValueError(f"{path}:{line_no} needs \"messages\", \"text\" or \"prompt\"+\"completion\"")
+                raise ValueError(f"{path}:{line_no} needs \"messages\", \"prompt\"+\"completion\" or \"text\"")
             length = min(len(ids), max_length) if max_length else len(ids)
             examples += 1
             total += max(length - 1, 0)
@@ -724,7 +737,10 @@ def cmd_estimate_sft(args) -> int:
             from transformers import AutoTokenizer
         except ImportError:
             raise ValueError("--data needs transformers: pip install transformers") from None
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load the tokenizer {args.tokenizer!r}: {str(exc).splitlines()[0]}") from None
         counted = count_sft_tokens(args.data, tokenizer, args.max_length)
         inputs |= {"data": str(args.data), "tokenizer": str(args.tokenizer), "max_length": args.max_length,
                    "examples": counted["examples"], "train_tokens_per_epoch": counted["train_tokens"],
@@ -1013,6 +1029,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug or an environment problem: still one line, never a traceback
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
