@@ -488,3 +488,609 @@ def to_datum(r: Rendered):
         model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
         loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
     )
+
+
+def weighted_spans(tokenizer, r: Rendered) -> list[str]:
+    """Decoded text of each run of consecutive weighted tokens (what the audit shows a human)."""
+    spans, current = [], []
+    for tok, w in zip(r.tokens, r.weights):
+        if w:
+            current.append(tok)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return [tokenizer.decode(s) for s in spans]
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings that depend on the model
+
+
+# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
+HIDDEN_SIZES = {
+    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
+    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
+    "meta-llama/Llama-3.3-70B-Instruct": 8192,
+    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
+    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
+    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
+    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
+    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
+}
+
+
+def recommended_learning_rate(model_name):
+    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
+    None when the family is not calibrated or the hidden size is unknown."""
+    name = model_name.split(":", 1)[0]
+    hidden = HIDDEN_SIZES.get(name)
+    lowered = name.lower()
+    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
+    if hidden is None or power is None:
+        return None
+    return 5e-5 * 10 * (2000 / hidden) ** power
+
+
+def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
+    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
+    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = (step - warmup_steps) / span
+    if schedule == "linear":
+        return 1 - progress
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def resolve_format(args, tokenizer, tokenizer_name):
+    kind = args.format
+    if kind == "auto":
+        base = args.model_name.split(":", 1)[0].endswith("-Base")
+        kind = "raw" if base or not tokenizer.chat_template else "chat"
+    if kind == "chat":
+        return chat_format(tokenizer, name=tokenizer_name, thinking=args.thinking)
+    return raw_format(tokenizer, name=tokenizer_name)
+
+
+def check_tinker_path(path, need):
+    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights"):
+        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
+    if parts[1] != need:
+        if need == "weights":
+            raise DataError(
+                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
+                "path saved by save_state (state_path in checkpoints.jsonl)")
+        raise DataError(
+            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
+            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Data preparation: split, render, length limits, batch order
+
+
+def normalise_items(items, source):
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2:
+            where, obj = item
+        else:
+            where, obj = i + 1, item
+        out.append(validate_example(obj, where if source is None else f"{where} of {source}"))
+    return out
+
+
+def split_examples(train, test, args):
+    """Held-out set: --test-data, else a seeded --test-fraction split of the training examples."""
+    if test is not None or args.test_fraction == 0 or len(train) < 2:
+        return train, test or []
+    order = list(range(len(train)))
+    random.Random(args.seed).shuffle(order)
+    n_test = max(1, round(args.test_fraction * len(train)))
+    held = set(order[:n_test])
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+def render_all(examples, tokenizer, fmt, train_on):
+    """[(line, Rendered)] for every example; a RenderError names the example's line."""
+    out = []
+    for ex in examples:
+        try:
+            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
+        except RenderError as e:
+            raise RenderError(f"line {ex['line']}: {e}") from None
+    return out
+
+
+def apply_length_limit(rendered, limit, mode):
+    """(kept, dropped lines). mode: 'error' | 'drop' | 'truncate'."""
+    if not limit:
+        return rendered, []
+    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
+    if not long:
+        return rendered, []
+    if mode == "error":
+        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
+        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
+        raise DataError(
+            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
+            "or pass --drop-long or --truncate")
+    kept, dropped = [], []
+    for line, r in rendered:
+        if len(r.tokens) <= limit:
+            kept.append((line, r))
+        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
+            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
+        else:  # dropped, or truncation would leave nothing to train
+            dropped.append(line)
+    return kept, dropped
+
+
+def plan_steps(n_train, batch_size, epochs, max_steps):
+    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
+    same size; a data set smaller than one batch is one batch."""
+    per_epoch = max(n_train // batch_size, 1)
+    total = per_epoch * epochs
+    return per_epoch, min(total, max_steps) if max_steps else total
+
+
+def batch_indices(step, n_train, batch_size, per_epoch, seed):
+    """Datum indices of global batch `step`: a fixed order per epoch from --seed, so a resumed run
+    trains exactly the batches an uninterrupted one would."""
+    epoch, index = divmod(step, per_epoch)
+    order = list(range(n_train))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    size = min(batch_size, n_train)
+    return order[index * size:(index + 1) * size]
+
+
+def training_datums(rendered):
+    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss."""
+    datums = []
+    for r in rendered:
+        n = sum(1 for w in r.weights[1:] if w) or 1
+        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
+    return datums
+
+
+def trained_mask(r):
+    return [1.0 if w else 0.0 for w in r.weights[1:]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Run record
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl", "datums.jsonl")
+# Settings that must match for --resume to continue the same run exactly.
+RESUME_KEYS = ("model_name", "data", "test_data", "test_fraction", "train_on", "batch_size", "epochs",
+               "max_steps", "seed", "learning_rate", "lr_schedule", "warmup_steps", "lora_rank",
+               "max_length", "drop_long", "truncate", "init_from")
+
+
+def read_rows(path):
+    """Rows of a JSONL record; a torn last line (a kill mid-write) is ignored."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def append_row(path, row):
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_log_dir(log, args):
+    """Refuse to mix two runs in one folder; with --resume, the last checkpoint row to continue from."""
+    has_run = any((log / name).exists() for name in ("metrics.jsonl", "checkpoints.jsonl"))
+    if args.resume:
+        rows = [r for r in read_rows(log / "checkpoints.jsonl") if r.get("state_path")]
+        if not rows:
+            raise DataError(
+                f"--resume: no checkpoint in {log / 'checkpoints.jsonl'}; start a new run without --resume "
+                "(add --overwrite to replace what is there)")
+        return rows[-1]
+    if has_run and not args.overwrite and not args.dry_run:
+        raise DataError(
+            f"{log} already holds a run; pass --resume to continue it or --overwrite to replace it "
+            "(or choose another --log-path)")
+    return None
+
+
+def settings_record(args, fmt, lr, lr_source, max_length):
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
+    config.update(learning_rate=lr, learning_rate_source=lr_source, max_length=max_length, format=fmt,
+                  adam=ADAM, loss="cross_entropy; weights 1/(trained tokens) per datum")
+    return config
+
+
+def check_resume_config(log, config):
+    saved = json.loads((log / "config.json").read_text()) if (log / "config.json").exists() else {}
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+             for k in RESUME_KEYS if k in saved and saved.get(k) != config.get(k)]
+    if saved.get("format") and saved["format"] != config["format"]:
+        diffs.append("format (tokenizer, template or --format/--thinking)")
+    if diffs:
+        raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
+                        "resume with the original flags")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost
+
+
+def load_pricing():
+    """tinker_pricing from beside this script, or None (then no dollar estimate)."""
+    if str(SCRIPT_DIR) not in sys.path:
+        sys.path.insert(0, str(SCRIPT_DIR))
+    try:
+        return importlib.import_module("tinker_pricing")
+    except ImportError:
+        return None
+
+
+def estimate(args, tokens, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or unprovable."""
+    pricing = load_pricing()
+    if pricing is None:
+        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        if args.max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
+        print(note, file=sys.stderr)
+        return None
+    try:
+        return pricing.preflight(args.model_name, tokens, args.max_usd, label="sft", context=context)
+    except pricing.BudgetExceeded as e:
+        raise BudgetError(str(e)) from None
+    except (pricing.UnknownModelError, ValueError) as e:
+        if args.max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {e}") from None
+        print(f"no dollar estimate: {e}", file=sys.stderr)
+        return None
+
+
+def catalogue_context(model_name):
+    pricing = load_pricing()
+    try:
+        return pricing.resolve_model(model_name).get("context") if pricing else None
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tinker calls
+
+
+def connect(args):
+    """ServiceClient and the model's context window, or AccessError / DataError before any paid call."""
+    import tinker
+
+    if not tinker.auth.tinker_has_credentials():
+        raise AccessError(
+            "no Tinker credentials: set TINKER_API_KEY (tml-...), or audit for free with --dry-run, "
+            "or rehearse offline against the local backend (scripts/tinker_local.py)")
+    try:
+        caps = tinker.RestClient().get_server_capabilities().result()
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
+        raise AccessError(f"Tinker refused the credentials ({e.__class__.__name__}); check TINKER_API_KEY") from None
+    except (tinker.APIConnectionError, tinker.APITimeoutError, OSError) as e:
+        url = os.environ.get("TINKER_BASE_URL") or "the Tinker service"
+        raise AccessError(f"cannot reach {url} ({e.__class__.__name__}); check the network or TINKER_BASE_URL") from None
+    models = {m.model_name: m for m in caps.supported_models if m.model_name}
+    model = models.get(args.model_name)
+    if model is None:
+        shown = ", ".join(sorted(models)[:12])
+        raise DataError(f"unknown model {args.model_name!r}: this Tinker serves {shown}; pass one with --model-name")
+    if model.trainable is False:
+        raise DataError(f"{args.model_name} is not trainable on this Tinker; pick another --model-name")
+    return tinker.ServiceClient(), model.max_context_length
+
+
+def submit_held_out(tc, test_rendered):
+    """Queue a forward pass over the held-out datums (weights = the loss mask); None if there are none."""
+    if not test_rendered:
+        return None
+    data = [to_datum(Rendered(r.tokens, [1.0 if w else 0.0 for w in r.weights])) for r in test_rendered]
+    return tc.forward(data, "cross_entropy")
+
+
+def batch_nll(result, masks):
+    """NLL per trained token of a forward_backward batch, from the per-datum target logprobs."""
+    total = count = 0.0
+    for out, mask in zip(result.loss_fn_outputs, masks):
+        logprobs = out["logprobs"].tolist()
+        total -= sum(lp * m for lp, m in zip(logprobs, mask))
+        count += sum(mask)
+    return total / max(count, 1.0)
+
+
+def probe_prompts(examples, tokenizer, fmt, n):
+    probes = []
+    for ex in examples[:n]:
+        if "messages" in ex:
+            msgs = ex["messages"]
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            tokens = generation_prompt(msgs[:last], tokenizer, fmt)
+            expected = msgs[last]["content"]
+            text = msgs[last - 1]["content"]
+        else:
+            tokens = generation_prompt(ex["prompt"], tokenizer, fmt)
+            expected, text = ex["completion"], ex["prompt"]
+        probes.append({"line": ex["line"], "prompt": text, "expected": expected, "tokens": tokens})
+    return probes
+
+
+def greedy_samples(sampler, probes, fmt, tokenizer, max_tokens):
+    import tinker
+
+    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=fmt["stop"])
+    futures = [sampler.sample(tinker.ModelInput.from_ints(p["tokens"]), 1, params) for p in probes]
+    outs = []
+    for f in futures:
+        seq = f.result().sequences[0]
+        toks = [t for t in seq.tokens if t not in fmt["stop"]]
+        outs.append(tokenizer.decode(toks, skip_special_tokens=False))
+    return outs
+
+
+def evaluate(forward, sampler, test_rendered, probes, fmt, tokenizer, args, step, log, when):
+    """Held-out NLL (from a queued forward) and greedy probes; one row in LOG/eval.jsonl."""
+    nll = batch_nll(forward.result(), [trained_mask(r) for r in test_rendered]) if forward else None
+    row = {"step": step, "when": when, "nll": nll,
+           "test_tokens": sum(sum(trained_mask(r)) for r in test_rendered)}
+    if sampler is not None and probes:
+        for p, text in zip(probes, greedy_samples(sampler, probes, fmt, tokenizer, args.max_tokens)):
+            p[when] = text
+        row["probes"] = [{k: v for k, v in p.items() if k != "tokens"} for p in probes]
+    append_row(log / "eval.jsonl", row)
+    nll_text = "n/a" if nll is None else f"{nll:.4f}"
+    print(f"eval {when} (step {step}) | held-out nll {nll_text} per token", file=sys.stderr)
+    return nll
+
+
+def save_checkpoint(tc, log, name, step, per_epoch, fmt, sampler=False, ttl=None):
+    """save_state (+ save_weights_for_sampler) and the checkpoints.jsonl row once the paths are known."""
+    state = tc.save_state(name, ttl_seconds=ttl)
+    samp = tc.save_weights_for_sampler(name, ttl_seconds=ttl) if sampler else None
+    row = {"name": name, "step": step, "next_batch": step, "epoch": step // per_epoch,
+           "state_path": state.result().path, "sampler_path": samp.result().path if samp else None,
+           "format": fmt, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    append_row(log / "checkpoints.jsonl", row)
+    return row
+
+
+def train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr, per_epoch, total_steps,
+          resume_row, log, service):
+    import tinker
+
+    start = 0
+    if resume_row is not None:
+        start = resume_row["next_batch"]
+        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
+        print(f"resumed from {resume_row['state_path']} at batch {start}", file=sys.stderr)
+    elif args.init_from:
+        tc = service.create_training_client_from_state(args.init_from).result()
+    else:
+        tc = service.create_lora_training_client(args.model_name, rank=args.lora_rank, seed=args.seed).result()
+
+    evals = read_rows(log / "eval.jsonl")
+    nll_before = next((r["nll"] for r in evals if r.get("when") == "before"), None)
+    if resume_row is None:
+        # Probes before training sample the base model (a fresh LoRA is the identity).
+        base = service.create_sampling_client(base_model=args.model_name).result() if probes else None
+        nll_before = evaluate(submit_held_out(tc, test_rendered), base, test_rendered, probes, fmt, tokenizer,
+                              args, 0, log, "before")
+
+    def submit(step):
+        """Queue one step (and its save) on the server; nothing here waits."""
+        rows = [train_rendered[i] for i in batch_indices(step, len(train_rendered), args.batch_size, per_epoch, args.seed)]
+        rate = lr * lr_multiplier(step, total_steps, args.lr_schedule, args.warmup_steps)
+        held_out = None
+        if args.eval_every and step > start and step % args.eval_every == 0:
+            held_out = submit_held_out(tc, test_rendered)  # queued first: it sees the weights after `step` steps
+        fb = tc.forward_backward(training_datums(rows), "cross_entropy")
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=rate, **ADAM))
+        done = step + 1
+        save = None
+        if args.save_every and done % args.save_every == 0 and done < total_steps:
+            save = tc.save_state(f"{done:06d}", ttl_seconds=PERIODIC_TTL_SECONDS)
+        return {"step": step, "rows": rows, "lr": rate, "fb": fb, "opt": opt, "save": save, "held_out": held_out}
+
+    last_time = time.time()
+    pending = submit(start) if start < total_steps else None
+    step = start
+    while pending is not None:
+        step = pending["step"]
+        if pending["held_out"] is not None:
+            evaluate(pending["held_out"], None, test_rendered, [], fmt, tokenizer, args, step, log, "during")
+        # The server works on this step while the next one is rendered into datums and queued.
+        upcoming = submit(step + 1) if step + 1 < total_steps else None
+        result = pending["fb"].result()
+        pending["opt"].result()
+        masks = [trained_mask(r) for r in pending["rows"]]
+        now = time.time()
+        row = {"step": step + 1, "epoch": step // per_epoch, "loss": batch_nll(result, masks),
+               "loss_per_datum": result.metrics.get("loss:sum", float("nan")) / len(pending["rows"]),
+               "learning_rate": pending["lr"], "tokens": sum(len(r.tokens) - 1 for r in pending["rows"]),
+               "trained_tokens": int(sum(sum(m) for m in masks)), "seconds": round(now - last_time, 3)}
+        last_time = now
+        append_row(log / "metrics.jsonl", row)
+        print(f"step {row['step']}/{total_steps} | loss {row['loss']:.4f} | lr {row['learning_rate']:.1e} | "
+              f"{row['tokens']} tok | {row['seconds']:.1f}s", file=sys.stderr)
+        if pending["save"] is not None:
+            done = step + 1
+            append_row(log / "checkpoints.jsonl", {
+                "name": f"{done:06d}", "step": done, "next_batch": done, "epoch": done // per_epoch,
+                "state_path": pending["save"].result().path, "sampler_path": None, "format": fmt,
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        pending = upcoming
+
+    final = save_checkpoint(tc, log, "final", total_steps, per_epoch, fmt, sampler=True)
+    sampler = service.create_sampling_client(model_path=final["sampler_path"]).result() if probes else None
+    nll_after = evaluate(submit_held_out(tc, test_rendered), sampler, test_rendered, probes, fmt, tokenizer, args, total_steps, log, "after")
+    return final, nll_before, nll_after
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    log = Path(args.log_path)
+    resume_row = check_log_dir(log, args)
+    if args.init_from:
+        check_tinker_path(args.init_from, "weights")
+
+    tokenizer_name = args.tokenizer or args.model_name
+    tokenizer = load_tokenizer(tokenizer_name)
+    fmt = resolve_format(args, tokenizer, tokenizer_name)
+
+    train_examples = normalise_items(load_dataset(args.data), None)
+    test_examples = normalise_items(load_dataset(args.test_data), args.test_data) if args.test_data else None
+    train_examples, test_examples = split_examples(train_examples, test_examples, args)
+    train_pairs = render_all(train_examples, tokenizer, fmt, args.train_on)
+    test_pairs = render_all(test_examples, tokenizer, fmt, args.train_on)
+
+    service, context = (None, None) if args.dry_run else connect(args)
+    if args.dry_run:
+        context = catalogue_context(args.model_name)
+    limit = min(x for x in (args.max_length, context) if x) if (args.max_length or context) else None
+    mode = "drop" if args.drop_long else "truncate" if args.truncate else "error"
+    train_pairs, dropped = apply_length_limit(train_pairs, limit, mode)
+    test_pairs, dropped_test = apply_length_limit(test_pairs, limit, mode)
+    if dropped or dropped_test:
+        print(f"dropped {len(dropped) + len(dropped_test)} datum(s) over {limit} tokens: lines "
+              f"{', '.join(map(str, (dropped + dropped_test)[:20]))}", file=sys.stderr)
+    if not train_pairs:
+        raise DataError("no training datum left after the length limit; raise --max-length or shorten the data")
+
+    lr, lr_source = args.learning_rate, "--learning-rate"
+    if lr is None:
+        lr, lr_source = recommended_learning_rate(args.model_name), "cookbook LoRA formula"
+        if lr is None:
+            lr, lr_source = 1e-4, "fallback (family not calibrated: pass --learning-rate)"
+        print(f"learning rate {lr:.3e} ({lr_source}, {args.model_name})", file=sys.stderr)
+
+    train_rendered = [r for _, r in train_pairs]
+    test_rendered = [r for _, r in test_pairs]
+    per_epoch, total_steps = plan_steps(len(train_rendered), args.batch_size, args.epochs, args.max_steps)
+    if len(train_rendered) < args.batch_size:
+        print(f"warning: {len(train_rendered)} training datums < --batch-size {args.batch_size}; "
+              f"one batch of {len(train_rendered)} per epoch", file=sys.stderr)
+    size = min(args.batch_size, len(train_rendered))
+    run_tokens = sum(len(train_rendered[i].tokens) - 1 for s in range(total_steps)
+                     for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
+    trained_tokens = sum(sum(trained_mask(train_rendered[i])) for s in range(total_steps)
+                         for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
+    n_evals = 2 + (total_steps - 1) // args.eval_every if args.eval_every else 2
+    eval_tokens = n_evals * sum(len(r.tokens) - 1 for r in test_rendered)
+    probes = probe_prompts(test_examples or train_examples, tokenizer, fmt, args.num_probes)
+    cost_tokens = {"train": run_tokens + eval_tokens,
+                   "prefill": 2 * sum(len(p["tokens"]) for p in probes),
+                   "sample": 2 * len(probes) * args.max_tokens}
+    longest_line, longest = max(train_pairs + test_pairs, key=lambda p: len(p[1].tokens))
+    summary = {
+        "examples": {"train": len(train_examples), "test": len(test_examples),
+                     "dropped": len(dropped) + len(dropped_test)},
+        "datums": {"train": len(train_rendered), "test": len(test_rendered)},
+        "steps": total_steps, "batch_size": size, "batches_per_epoch": per_epoch,
+        "tokens": {"model_input": run_tokens, "trained": int(trained_tokens), "eval_forward": eval_tokens,
+                   "per_epoch": sum(len(r.tokens) - 1 for r in train_rendered)},
+        "longest": {"line": longest_line, "tokens": len(longest.tokens)},
+        "max_length": limit, "learning_rate": lr,
+    }
+    print(f"{summary['datums']['train']} train / {summary['datums']['test']} held-out datums, {total_steps} "
+          f"steps of {size}, {run_tokens} model-input tokens ({int(trained_tokens)} trained), longest "
+          f"{len(longest.tokens)} tokens (line {longest_line}), limit {limit or 'unknown'}", file=sys.stderr)
+    cost = estimate(args, cost_tokens, context=None)
+
+    config = settings_record(args, fmt, lr, lr_source, limit)
+    if args.dry_run:
+        log.mkdir(parents=True, exist_ok=True)
+        with open(log / "datums.jsonl", "w") as f:
+            for split, pairs in (("train", train_pairs), ("test", test_pairs)):
+                for line, r in pairs:
+                    f.write(json.dumps({"split": split, "line": line, "tokens": r.tokens, "weights": r.weights,
+                                        "trained_text": weighted_spans(tokenizer, r)}) + "\n")
+        emit({"status": "dry-run", "log_path": str(log), **summary, "cost": cost, "format": fmt})
+        return 0
+
+    if resume_row is not None:
+        check_resume_config(log, config)
+        if resume_row["next_batch"] >= total_steps and resume_row.get("name") == "final":
+            evals = read_rows(log / "eval.jsonl")
+            emit(result_record("complete", log, total_steps, resume_row, evals, run_tokens, trained_tokens, fmt))
+            return 0
+        # Rows past the checkpoint were trained by the killed process and will be trained again.
+        keep = [r for r in read_rows(log / "metrics.jsonl") if r["step"] <= resume_row["next_batch"]]
+        (log / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
+        evals = [r for r in read_rows(log / "eval.jsonl") if r["step"] <= resume_row["next_batch"] and r["when"] != "after"]
+        (log / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    else:
+        log.mkdir(parents=True, exist_ok=True)
+        for name in RUN_FILES:
+            if name != "datums.jsonl":
+                (log / name).unlink(missing_ok=True)
+        (log / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    final, nll_before, nll_after = train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr,
+                                         per_epoch, total_steps, resume_row, log, service)
+    evals = read_rows(log / "eval.jsonl")
+    with contextlib.suppress(Exception):  # the run is saved; a failed session close changes nothing
+        service.close("success").result()
+    emit(result_record("ok", log, total_steps, final, evals, run_tokens, trained_tokens, fmt))
+    return 0
+
+
+def result_record(status, log, steps, final, evals, run_tokens, trained_tokens, fmt):
+    before = next((r for r in evals if r.get("when") == "before"), {})
+    after = next((r for r in reversed(evals) if r.get("when") == "after"), {})
+    probes = after.get("probes") or before.get("probes") or []
+    sampler = final.get("sampler_path")
+    return {
+        "status": status, "log_path": str(log), "steps": steps,
+        "state_path": final.get("state_path"), "sampler_path": sampler,
+        "eval": {"nll_before": before.get("nll"), "nll_after": after.get("nll"), "probes": probes},
+        "tokens": {"model_input": run_tokens, "trained": int(trained_tokens)},
+        "format": fmt,
+        "sampling": {"model_path": sampler, "stop": fmt["stop"],
+                     "hint": f"python tinker_infer.py --run {log} (renders prompts in this run's format)"},
+    }
+
+
+def emit(obj):
+    print(json.dumps(obj))
+
+
+def cli():
+    try:
+        return main()
+    except SFTError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted: continue with the same command plus --resume", file=sys.stderr)
+        return 130
+    except Exception as e:  # Tinker or runtime failure: one line, the details are in the SDK's log
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
