@@ -130,10 +130,31 @@ def render_prompt(row: dict, fmt: dict, tokenizer) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise Fail(EXIT_USAGE, "this tokenizer has no chat template; pass --format raw for a base model, "
                                "or --tokenizer DIR with a chat_template")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **template_kwargs(fmt))
+    text = apply_chat_template(tokenizer, messages, template_kwargs(fmt))
     # The rendered text already holds BOS and every special token the template wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict) -> str:
+    """Render with the generation prompt; a frozen strftime_now replaces the template global.
+
+    transformers 5 turns callables passed as template kwargs into inert strings, so the
+    frozen date is installed in the compiled template's own globals for this one render.
+    """
+    frozen = kwargs.pop("strftime_now", None)
+    if frozen is None:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    from transformers.utils import chat_template_utils
+    compiled = chat_template_utils._compile_jinja_template(tokenizer.get_chat_template())
+    had, previous = "strftime_now" in compiled.globals.maps[0], compiled.globals.maps[0].get("strftime_now")
+    compiled.globals.maps[0]["strftime_now"] = frozen
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    finally:
+        if had:
+            compiled.globals.maps[0]["strftime_now"] = previous
+        else:
+            del compiled.globals.maps[0]["strftime_now"]
 
 
 def completion_text(tokens: list[int], tokenizer, stop_ids: list[int], stop_strings: list[str]) -> str:
@@ -207,7 +228,8 @@ def run_checkpoints(run_id: str) -> list:
     """The server's checkpoints of one run, newest first ([] if it cannot list them)."""
     import tinker
     try:
-        listing = tinker.RestClient().list_checkpoints(run_id).result()
+        # Only a hint: never wait long for it (the SDK retries a dead server for minutes).
+        listing = tinker.RestClient().list_checkpoints(run_id).result(timeout=20)
     except Exception:
         return []
     return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
@@ -274,7 +296,10 @@ def check_model_served(model: str) -> None:
     """A base model name must be one the server samples; list close names if not."""
     import tinker
     try:
-        caps = tinker.RestClient().get_server_capabilities().result()
+        caps = tinker.RestClient().get_server_capabilities().result(timeout=60)
+    except TimeoutError:
+        base = os.environ.get("TINKER_BASE_URL") or "the hosted Tinker service"
+        raise Fail(EXIT_NO_ACCESS, f"no answer from {base} within 60 s; next: check the network or TINKER_BASE_URL")
     except Exception as e:  # capabilities are advisory; the sampling call reports real errors
         if isinstance(e, (tinker.AuthenticationError, tinker.APIConnectionError)):
             raise tinker_failure(e, "listing the served models")

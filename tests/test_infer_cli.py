@@ -1,0 +1,232 @@
+"""tinker_infer.py offline: argument validation, checkpoint-kind errors, run records, template kwargs."""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import tinker_infer
+
+RUN = "run-1"
+SAMPLER = f"tinker://{RUN}/sampler_weights/final"
+STATE = f"tinker://{RUN}/weights/final"
+
+
+def run(capsys, *argv):
+    code = tinker_infer.main(list(argv))
+    out = capsys.readouterr().out.strip().splitlines()
+    return code, json.loads(out[-1])
+
+
+@pytest.fixture
+def api_key(monkeypatch):
+    monkeypatch.setenv("TINKER_API_KEY", "tml-test")
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+@pytest.fixture(scope="module")
+def rest_base_url():
+    """Just enough of Tinker's REST API for RestClient.list_checkpoints (SDK 0.38).
+
+    One server for the module: the SDK keeps one RestClient per process, and a second
+    base URL in the same process stalls (a script only ever talks to one server).
+    """
+    checkpoints = [
+        {"checkpoint_id": "weights/final", "checkpoint_type": "training", "time": "2026-12-01T10:00:00Z",
+         "tinker_path": STATE, "size_bytes": 1000},
+        {"checkpoint_id": "sampler_weights/final", "checkpoint_type": "sampler", "time": "2026-12-01T10:00:01Z",
+         "tinker_path": SAMPLER, "size_bytes": 500},
+    ]
+
+    class Handler(BaseHTTPRequestHandler):
+        def reply(self, status, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.reply(200, {"use_pyqwest_transport": False} if self.path.endswith("/client/config") else {})
+
+        def do_GET(self):
+            if self.path.startswith(f"/api/v1/training_runs/{RUN}/checkpoints"):
+                self.reply(200, {"checkpoints": checkpoints})
+            else:
+                self.reply(404, {"detail": f"Not found: {self.path}"})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def rest_server(rest_base_url, monkeypatch, api_key):
+    monkeypatch.setenv("TINKER_BASE_URL", rest_base_url)
+
+
+def write_run(log_dir, rows):
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return log_dir
+
+
+CHAT_FORMAT = {"kind": "chat", "template_sha256": "0" * 64, "template_kwargs": {"enable_thinking": False},
+               "stop": [151645], "tokenizer": "Qwen/Qwen3-8B"}
+
+
+def row(name, step, state, sampler, fmt=CHAT_FORMAT):
+    return {"name": name, "step": step, "next_batch": step, "epoch": 0, "state_path": state,
+            "sampler_path": sampler, "format": fmt, "time": "2026-12-01T10:00:00Z"}
+
+
+# ---- input validation (exit 2, no request) ----
+@pytest.mark.parametrize("argv, expected", [
+    ([], "exactly one of --prompt"),
+    (["--prompt", "a", "--messages", "[]"], "exactly one of --prompt"),
+    (["--messages", "{not json"], "--messages is not JSON"),
+    (["--messages", '[{"content": "no role"}]'], "role"),
+    (["--format", "raw", "--messages", '[{"role": "user", "content": "x"}]'], "raw format takes a plain prompt"),
+    (["--prompt", "x", "--n", "0"], "at least 1"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p"),
+    (["--prompt", "x", "--model", "tinker://run-1/checkpoints/final"], "not a checkpoint path"),
+    (["--input", "does-not-exist.jsonl"], "not found"),
+])
+def test_bad_input_exits_2_with_the_expected_form(capsys, api_key, argv, expected):
+    code, result = run(capsys, *argv)
+    assert code == 2
+    assert expected in result["error"]
+
+
+def test_input_rows_without_prompt_or_messages_are_refused_with_line_number(tmp_path, capsys, api_key):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "ok"}\n{"question": "?"}\n')
+    code, result = run(capsys, "--input", str(tmp_path / "in.jsonl"))
+    assert code == 2 and "in.jsonl:2" in result["error"]
+
+
+# ---- checkpoint kinds ----
+def test_weights_path_for_sampling_names_the_same_runs_sampler_path(rest_server, capsys):
+    code, result = run(capsys, "--model", STATE, "--prompt", "hi")
+    assert code == 2
+    assert "resumable training state" in result["error"]
+    assert f"--model {SAMPLER}" in result["error"]
+
+
+def test_weights_path_over_http_is_refused_before_any_completion_request(rest_server, capsys):
+    code, result = run(capsys, "--http", "--base-url", "http://127.0.0.1:9/none", "--model", STATE, "--prompt", "hi")
+    assert code == 2 and SAMPLER in result["error"]
+
+
+def test_external_weights_path_cannot_be_sampled(rest_server, capsys):
+    code, result = run(capsys, "--model", f"tinker://{RUN}/external_weights/x", "--prompt", "hi")
+    assert code == 2 and "cannot be sampled" in result["error"]
+
+
+def test_resolve_from_the_server_picks_the_newest_of_each_kind(rest_server, capsys):
+    assert run(capsys, "checkpoints", "resolve", RUN)[1]["path"] == SAMPLER
+    assert run(capsys, "checkpoints", "resolve", RUN, "--kind", "state")[1]["path"] == STATE
+
+
+def test_checkpoint_list_of_a_run_is_newest_first(rest_server, capsys):
+    code, result = run(capsys, "checkpoints", "list", "--run", RUN, "--json")
+    assert code == 0
+    assert [(c["path"], c["type"], c["size_bytes"]) for c in result["checkpoints"]] == [
+        (SAMPLER, "sampler", 500), (STATE, "training", 1000)]
+
+
+def test_missing_key_exits_4(monkeypatch, tmp_path, capsys):
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, result = run(capsys, "--model", SAMPLER, "--prompt", "hi")
+    assert code == 4 and "TINKER_API_KEY" in result["error"]
+
+
+def test_key_without_tml_prefix_exits_4(monkeypatch, capsys):
+    monkeypatch.setenv("TINKER_API_KEY", "sk-wrong")
+    code, result = run(capsys, "--model", SAMPLER, "--prompt", "hi")
+    assert code == 4 and "tml-" in result["error"]
+
+
+# ---- run records ----
+def test_resolve_reads_the_latest_path_of_each_kind_from_the_run_record(tmp_path, capsys):
+    log_dir = write_run(tmp_path / "log", [
+        row("000010", 10, "tinker://r/weights/000010", None),
+        row("final", 20, "tinker://r/weights/final", "tinker://r/sampler_weights/final"),
+        row("000030", 30, "tinker://r/weights/000030", None),
+    ])
+    code, result = run(capsys, "checkpoints", "resolve", str(log_dir), "--kind", "state")
+    assert (code, result["path"], result["step"]) == (0, "tinker://r/weights/000030", 30)
+    code, result = run(capsys, "checkpoints", "resolve", str(log_dir))
+    assert (code, result["path"], result["format"]["kind"]) == (0, "tinker://r/sampler_weights/final", "chat")
+
+
+def test_resolve_sampler_of_a_run_without_one_names_the_other_kind(tmp_path, capsys):
+    log_dir = write_run(tmp_path / "log", [row("000010", 10, "tinker://r/weights/000010", None)])
+    code, result = run(capsys, "checkpoints", "resolve", str(log_dir))
+    assert code == 2 and "--kind state" in result["error"]
+
+
+def test_run_folder_without_a_record_is_refused(tmp_path, capsys, api_key):
+    code, result = run(capsys, "--run", str(tmp_path), "--prompt", "hi")
+    assert code == 2 and "checkpoints.jsonl not found" in result["error"]
+
+
+def test_format_flag_contradicting_the_run_is_refused(tmp_path, capsys, api_key):
+    log_dir = write_run(tmp_path / "log", [row("final", 1, None, "tinker://r/sampler_weights/final")])
+    code, result = run(capsys, "--run", str(log_dir), "--format", "raw", "--prompt", "hi")
+    assert code == 2 and "trained in chat format" in result["error"]
+
+
+def test_frozen_strftime_now_is_rebuilt_as_a_callable():
+    kwargs = tinker_infer.template_kwargs({"kind": "chat", "template_kwargs": {
+        "strftime_now": "2026-01-02", "date_string": "26 Jul 2024", "enable_thinking": False}})
+    assert kwargs["strftime_now"]("%Y-%m-%d") == "2026-01-02"
+    assert kwargs["strftime_now"]("%d %b %Y") == "02 Jan 2026"
+    assert (kwargs["date_string"], kwargs["enable_thinking"]) == ("26 Jul 2024", False)
+
+
+def test_frozen_date_renders_through_a_jinja_chat_template():
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
+    tok.chat_template = ("Today: {{ strftime_now('%Y-%m-%d') }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}|assistant:{% endif %}")
+    kwargs = tinker_infer.template_kwargs({"template_kwargs": {"strftime_now": "2024-07-26T00:00:00"}})
+    messages = [{"role": "user", "content": "hi"}]
+    assert tinker_infer.apply_chat_template(tok, messages, kwargs) == "Today: 2024-07-26|hi|assistant:"
+    # The frozen date lasts for that render only: the template's own clock is back afterwards.
+    today = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert today.startswith("Today: 20") and today != "Today: 2024-07-26|hi|assistant:"
+
+
+# ---- export / merge argument errors ----
+def test_export_refuses_a_non_empty_out_folder(tmp_path, capsys, api_key):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    code, result = run(capsys, "checkpoints", "export", SAMPLER, "--out", str(tmp_path / "out"))
+    assert code == 2 and "--overwrite" in result["error"]
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_merge_of_a_folder_that_is_not_an_adapter_says_how_to_get_one(tmp_path, capsys):
+    code, result = run(capsys, "checkpoints", "merge", str(tmp_path), "--base", str(tmp_path), "--out",
+                       str(tmp_path / "m"))
+    assert code == 2 and "checkpoints export" in result["error"]
+
+
+def test_adapter_target_modules_are_read_from_the_weight_names():
+    keys = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+            "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight",
+            "base_model.model.model.embed_tokens.lora_embedding_A"]
+    assert tinker_infer.adapter_target_modules(keys) == ["down_proj", "embed_tokens", "q_proj"]
