@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # /// script
 # requires-python = ">=3.11"
-# dependencies = ["httpx>=0.27", "rich>=13"]
+# dependencies = ["httpx>=0.27"]
 # ///
 """Tinker prices, a TINKER_PRICING.md for your project, and cost estimates that match Tinker's metering.
 
@@ -18,8 +18,8 @@
 default `~/.cache/tinker-training-inference/models-prices.json`). `list --markdown` prints the
 catalogue as a markdown table instead of JSON.
 
-**Requires:** nothing for the catalogue and estimates (standard library); `rich` for tables
-(plain text without it), `httpx` for `refresh`, `transformers` for `estimate-sft --data`.
+**Requires:** nothing but the standard library for the catalogue and estimates; `httpx` for
+`refresh`, `transformers` for `estimate-sft --data`. No environment variables (no API key).
 
 **Import:** tinker_sft.py / tinker_rl.py load this file from their own folder and call
 `preflight(model, tokens, max_usd)`; see also `resolve_model`, `estimate_cost`, `rl_tokens`,
@@ -621,34 +621,22 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _console():
-    try:
-        from rich.console import Console
-    except ImportError:
-        return None
-    console = Console(stderr=True, highlight=False)
-    if not console.is_terminal:  # logs and agents: never fold the ids
-        console.width = max(console.width, 160)
-    return console
-
-
 def print_table(title: str, header: list[str], body: list[list[str]], footer: str = "") -> None:
-    console = _console()
-    if console is None:
-        widths = [max(len(x) for x in col) for col in zip(header, *body)]
-        print(title, file=sys.stderr)
-        for line in [header, *body]:
-            print("  ".join(c.ljust(w) for c, w in zip(line, widths)), file=sys.stderr)
-    else:
-        from rich.table import Table
-        table = Table(title=title, title_justify="left", box=None, pad_edge=False)
-        for i, name in enumerate(header):
-            table.add_column(name, justify="right" if i >= 2 else "left", no_wrap=i == 0)
-        for line in body:
-            table.add_row(*line)
-        console.print(table)
+    """Aligned plain-text table on stderr. Not rich: importing it costs more than the whole
+    `list` command may take (the issue's budget is 150 ms), and agents read plain text best."""
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    right = [i >= 1 and all(_numeric(line[i]) for line in body) for i in range(len(header))]
+    lines = [title] if title else []
+    for cells in [header, *body]:
+        lines.append("  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)).rstrip())
     if footer:
-        print(footer, file=sys.stderr)
+        lines.append(footer)
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _numeric(cell: str) -> bool:
+    return cell in ("", "unknown", "not offered") or cell.lstrip("$").replace(",", "").replace(".", "", 1) \
+        .rstrip("KMBk").replace(" GB-mo", "").isdigit()
 
 
 def emit(obj: dict) -> None:
@@ -702,16 +690,16 @@ def _run_estimate(args, tokens: dict, inputs: dict, formula: str) -> int:
     est["inputs"] = inputs | {"storage_gb_months": args.storage_gb_months}
     est["formula"] = formula
     if not args.json:
-        body = [[kind, f"{est['tokens'][kind]:,}", _fmt(est["rates"][kind]), _usd(est["usd"][kind])]
+        body = [[kind, f"{est['tokens'][kind]:,}", _rate(est["rates"][kind]), _usd(est["usd"][kind])]
                 for kind in PRICE_KINDS]
-        body.append(["storage", f"{args.storage_gb_months:g} GB-mo", f"{STORAGE_USD_PER_GB_MONTH:g}",
+        body.append(["storage", f"{args.storage_gb_months:g} GB-mo", _rate(STORAGE_USD_PER_GB_MONTH),
                      _usd(est["usd"]["storage"])])
         body.append(["total", "", "", _usd(est["usd"]["total"])])
         print_table(f"{est['model']} (catalogue {est['catalogue_date']})",
                     ["meter", "tokens", "$/1M", "usd"], body, f"formula: {formula}")
-        for key in ("note", "warning"):
-            if est.get(key):
-                print(f"{key}: {est[key]}", file=sys.stderr)
+        key = "warning" if est.get("warning") else "note"  # a warning already quotes the note
+        if est.get(key):
+            print(f"{key}: {est[key]}", file=sys.stderr)
     emit(est)
     total = est["usd"]["total"]
     if args.max_usd is not None and (total is None or total > args.max_usd):
