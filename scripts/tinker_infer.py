@@ -120,12 +120,13 @@ def render_prompt(row: dict, fmt: dict, tokenizer) -> list[int]:
     """One input row ({"prompt": str} or {"messages": [...]}) -> prompt token ids.
 
     Chat: the tokenizer's chat template with the generation prompt and the recorded
-    template kwargs. Raw: the text as is (plus BOS where the tokenizer adds one).
+    template kwargs. Raw: the text as is, or messages as "User: ...\n\nAssistant:" (as
+    tinker_sft.py trains base models), after BOS when the format (or tokenizer) has one.
     """
     if fmt["kind"] == "raw":
-        if "messages" in row:
-            raise Fail(EXIT_USAGE, "raw format takes a plain prompt, not messages; pass --prompt, or --format chat")
-        return tokenizer.encode(row["prompt"], add_special_tokens=fmt.get("add_special_tokens", True))
+        bos_id = tokenizer.bos_token_id
+        bos = [bos_id] if bos_id is not None and fmt.get("bos", True) else []
+        return bos + tokenizer.encode(raw_text(row), add_special_tokens=False)
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     if getattr(tokenizer, "chat_template", None) is None:
         raise Fail(EXIT_USAGE, "this tokenizer has no chat template; pass --format raw for a base model, "
@@ -155,6 +156,13 @@ def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict) -> str:
             compiled.globals.maps[0]["strftime_now"] = previous
         else:
             del compiled.globals.maps[0]["strftime_now"]
+
+
+def raw_text(row: dict) -> str:
+    if "prompt" in row:
+        return row["prompt"]
+    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in row["messages"]]
+    return "\n\n".join(parts + ["Assistant:"])
 
 
 def completion_text(tokens: list[int], tokenizer, stop_ids: list[int], stop_strings: list[str]) -> str:
@@ -420,7 +428,9 @@ def check_template(fmt: dict, tokenizer) -> bool | None:
     recorded = fmt.get("template_sha256")
     if not recorded or fmt["kind"] != "chat":
         return None
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the default one renders (as in tinker_sft.py)
+        template = template.get("default") or next(iter(template.values()))
     same = hashlib.sha256(template.encode()).hexdigest() == recorded
     if not same:
         log(f"warning: this tokenizer's chat template (sha256 {hashlib.sha256(template.encode()).hexdigest()[:12]}) is not "
@@ -546,10 +556,8 @@ def sample_http(args, rows: list[dict], model: str, fmt: dict) -> dict:
                 "top_p": args.top_p, "n": args.n}
         if chat:
             body["messages"] = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-        elif "messages" in row:
-            raise Fail(EXIT_USAGE, "raw format takes a plain prompt, not messages; pass --prompt, or --format chat")
         else:
-            body["prompt"] = row["prompt"]
+            body["prompt"] = raw_text(row)
         if args.stop:
             body["stop"] = list(args.stop)
         if args.seed is not None:
@@ -585,8 +593,6 @@ def cmd_sample(args) -> dict:
         raise Fail(EXIT_USAGE, "--top-p must be in (0, 1] and --temperature >= 0")
     rows = load_inputs(args)
     model, fmt, tokenizer_name = resolve_target(args)
-    if fmt["kind"] == "raw" and any("messages" in r for r in rows):
-        raise Fail(EXIT_USAGE, "raw format takes a plain prompt, not messages; pass --prompt, or --format chat")
     if args.http:
         result = sample_http(args, rows, model, fmt)
     else:

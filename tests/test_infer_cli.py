@@ -93,7 +93,6 @@ def row(name, step, state, sampler, fmt=CHAT_FORMAT):
     (["--prompt", "a", "--messages", "[]"], "exactly one of --prompt"),
     (["--messages", "{not json"], "--messages is not JSON"),
     (["--messages", '[{"content": "no role"}]'], "role"),
-    (["--format", "raw", "--messages", '[{"role": "user", "content": "x"}]'], "raw format takes a plain prompt"),
     (["--prompt", "x", "--n", "0"], "at least 1"),
     (["--prompt", "x", "--top-p", "0"], "--top-p"),
     (["--prompt", "x", "--model", "tinker://run-1/checkpoints/final"], "not a checkpoint path"),
@@ -230,3 +229,17 @@ def test_adapter_target_modules_are_read_from_the_weight_names():
             "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight",
             "base_model.model.model.embed_tokens.lora_embedding_A"]
     assert tinker_infer.adapter_target_modules(keys) == ["down_proj", "embed_tokens", "q_proj"]
+
+
+def test_raw_format_renders_messages_as_role_colon_text_after_bos():
+    class Tok:
+        bos_token_id = 1
+
+        def encode(self, text, add_special_tokens):
+            assert add_special_tokens is False
+            return [ord(c) for c in text]
+
+    messages = [{"role": "user", "content": "2+2?"}]
+    ids = tinker_infer.render_prompt({"messages": messages}, {"kind": "raw", "bos": True}, Tok())
+    assert ids == [1] + [ord(c) for c in "User: 2+2?\n\nAssistant:"]
+    assert tinker_infer.render_prompt({"prompt": "ab"}, {"kind": "raw", "bos": False}, Tok()) == [97, 98]

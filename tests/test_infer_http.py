@@ -107,6 +107,13 @@ def test_raw_format_posts_the_prompt_to_completions(oai_server, capsys):
     assert (sample["text"], sample["stop_reason"], sample["completion_tokens"]) == ("completion 0 of Once upon", "length", 5)
 
 
+def test_raw_format_sends_messages_as_role_colon_text(oai_server, capsys):
+    code, _ = run(capsys, "--http", "--base-url", oai_server.base_url, "--model", SAMPLER, "--format", "raw",
+                  "--messages", '[{"role": "user", "content": "2+2?"}]')
+    assert code == 0
+    assert oai_server.requests[0][2]["prompt"] == "User: 2+2?\n\nAssistant:"
+
+
 def test_a_429_is_retried_and_then_succeeds(oai_server, capsys):
     oai_server.replies = [(429, {"error": {"message": "rate limited"}}, {"Retry-After": "0"})]
     code, result = run(capsys, "--http", "--base-url", oai_server.base_url, "--model", SAMPLER, "--prompt", "hi")
