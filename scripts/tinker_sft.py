@@ -875,6 +875,18 @@ def save_checkpoint(tc, log, name, step, per_epoch, fmt, sampler=False, ttl=None
     return row
 
 
+def pipelined(start, total, submit, finish):
+    """Run steps start..total-1. submit(step) queues a step on the server and returns a handle without
+    waiting; finish(handle) waits for it. Step N+1 is built and queued before step N is awaited, so the
+    server always has the next forward_backward + optim_step in hand and never idles on a round trip."""
+    pending = submit(start) if start < total else None
+    step = start
+    while pending is not None:
+        upcoming = submit(step + 1) if step + 1 < total else None
+        finish(pending)
+        pending, step = upcoming, step + 1
+
+
 def train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr, per_epoch, total_steps,
           resume_row, log, service):
     import tinker
@@ -913,14 +925,13 @@ def train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr, per_e
         return {"step": step, "rows": rows, "lr": rate, "fb": fb, "opt": opt, "save": save, "held_out": held_out}
 
     last_time = time.time()
-    pending = submit(start) if start < total_steps else None
-    step = start
-    while pending is not None:
+
+    def finish(pending):
+        """Wait for one step, log it, and record its checkpoint once the path is known."""
+        nonlocal last_time
         step = pending["step"]
         if pending["held_out"] is not None:
             evaluate(pending["held_out"], None, test_rendered, [], fmt, tokenizer, args, step, log, "during")
-        # The server works on this step while the next one is rendered into datums and queued.
-        upcoming = submit(step + 1) if step + 1 < total_steps else None
         result = pending["fb"].result()
         pending["opt"].result()
         masks = [trained_mask(r) for r in pending["rows"]]
@@ -939,8 +950,8 @@ def train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr, per_e
                 "name": f"{done:06d}", "step": done, "next_batch": done, "epoch": done // per_epoch,
                 "state_path": pending["save"].result().path, "sampler_path": None, "format": fmt,
                 "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-        pending = upcoming
 
+    pipelined(start, total_steps, submit, finish)
     final = save_checkpoint(tc, log, "final", total_steps, per_epoch, fmt, sampler=True)
     sampler = service.create_sampling_client(model_path=final["sampler_path"]).result() if probes else None
     nll_after = evaluate(submit_held_out(tc, test_rendered), sampler, test_rendered, probes, fmt, tokenizer, args, total_steps, log, "after")
