@@ -826,8 +826,15 @@ def invocations_in(text: str, where: str) -> list[tuple[str, str, list[str]]]:
     candidates = []
     for lang, line, code in blocks:
         if lang in ("", "bash", "sh", "shell", "console", "text", "zsh"):
-            logical = re.sub(r"\\\n\s*", " ", code)
-            candidates += [(line, l) for l in logical.splitlines()]
+            pending, start = "", line
+            for offset, physical in enumerate(code.splitlines()):
+                if not pending:
+                    start = line + offset
+                if physical.rstrip().endswith("\\"):
+                    pending += physical.rstrip()[:-1] + " "
+                    continue
+                candidates.append((start, pending + physical))
+                pending = ""
     for lineno, line in prose:
         candidates += [(lineno, span) for span in re.findall(r"`([^`]+)`", line)]
     found = []
