@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -484,8 +485,8 @@ def estimate_cost(model: str, *, prefill=0, cached_prefill=0, sample=0, train=0,
     """
     counts = {"prefill": prefill, "cached_prefill": cached_prefill, "sample": sample, "train": train}
     for kind, value in [*counts.items(), ("storage_gb_months", storage_gb_months)]:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{kind} must be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{kind} must be a finite number >= 0, got {value!r}")
     row = resolve_model(model, context, rows)
     if train and row["kind"] == "serverless":
         raise ValueError(f"{row['id']} is a serverless inference id: it cannot be trained; "
@@ -497,11 +498,11 @@ def estimate_cost(model: str, *, prefill=0, cached_prefill=0, sample=0, train=0,
             usd[kind] = None
             missing.append(kind)
         else:
-            usd[kind] = round(count * (rate or 0) / 1e6, 6)
-    usd["storage"] = round(storage_gb_months * STORAGE_USD_PER_GB_MONTH, 6)
-    usd["total"] = None if missing else round(sum(usd.values()), 6)
+            usd[kind] = round(count * (rate or 0) / 1e6, 10)
+    usd["storage"] = round(storage_gb_months * STORAGE_USD_PER_GB_MONTH, 10)
+    usd["total"] = None if missing else round(sum(usd.values()), 10)
     result = {"model": row["id"], "catalogue_date": row["catalogue_date"],
-              "tokens": {k: int(v) for k, v in counts.items()}, "usd": usd,
+              "tokens": {k: round(v) for k, v in counts.items()}, "usd": usd,
               "rates": {k: row[k] for k in PRICE_KINDS} | {"storage_per_gb_month": STORAGE_USD_PER_GB_MONTH}}
     if row["note"]:
         result["note"] = row["note"]
@@ -541,6 +542,9 @@ def preflight(model: str, tokens: dict, max_usd: float | None = None, *, label: 
     Raises BudgetExceeded when the total is above `max_usd`, or unknown while `max_usd` is set.
     Raises UnknownModelError / ValueError for an unknown model or bad counts.
     """
+    unknown = set(tokens) - {*PRICE_KINDS, "storage_gb_months"}
+    if unknown:
+        raise ValueError(f"unknown token kinds {sorted(unknown)}; use {', '.join(PRICE_KINDS)}, storage_gb_months")
     est = estimate_cost(model, context=context, **tokens)
     print(summary_line(est, label), file=sys.stderr)
     total = est["usd"]["total"]
@@ -851,7 +855,8 @@ def cmd_refresh(args) -> int:
             response.raise_for_status()
             text = response.text
         except httpx.HTTPError as exc:
-            kind = "timed out" if isinstance(exc, httpx.TimeoutException) else f"failed: {exc}"
+            detail = (str(exc).splitlines() or [type(exc).__name__])[0]  # httpx adds a help URL line
+            kind = "timed out" if isinstance(exc, httpx.TimeoutException) else f"failed: {detail}"
             print(f"error: fetching {args.url} {kind}; kept the current prices ({_current_prices(dest)}); "
                   "retry, or save the file in a browser and run refresh --from-file PATH", file=sys.stderr)
             return 4
@@ -899,8 +904,8 @@ def _number(kind, minimum):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if not value >= minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be >= {minimum}")
+        if not minimum <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= {minimum}")
         return value
     return parse
 
@@ -971,7 +976,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=_number(int, 0))
     p.add_argument("--avg-tokens", type=_number(float, 0), help="mean rendered example length")
     p.add_argument("--epochs", type=_number(float, 0), default=1.0)
-    p.add_argument("--data", metavar="FILE.jsonl", help="count exactly: messages / text / prompt+completion rows")
+    p.add_argument("--data", metavar="FILE.jsonl", help="count with the tokenizer's chat template (messages, "
+                   "prompt+completion or text rows); tinker_sft.py --dry-run counts with its own renderer")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (or hub name if cached) for --data")
     p.add_argument("--max-length", type=_number(int, 2), help="truncate each example like the trainer")
     p.set_defaults(func=cmd_estimate_sft)

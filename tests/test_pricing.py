@@ -221,9 +221,9 @@ def test_serverless_ids_cannot_be_priced_for_training():
         tp.estimate_cost("Inkling:peft:262144:sampling-nvfp4", train=100)
 
 
-@pytest.mark.parametrize("bad", [-1, "12", float("nan"), True])
+@pytest.mark.parametrize("bad", [-1, "12", float("nan"), float("inf"), True])
 def test_bad_token_counts_are_refused(bad):
-    with pytest.raises(ValueError, match="train must be a number >= 0"):
+    with pytest.raises(ValueError, match="train must be a finite number >= 0"):
         tp.estimate_cost("Qwen/Qwen3-8B", train=bad)
 
 
@@ -249,6 +249,11 @@ def test_preflight_with_unknown_prices_cannot_pass_a_budget():
     assert tp.preflight(unknown, {"train": 1000})["usd"]["total"] is None  # no budget: warn only
     with pytest.raises(tp.BudgetExceeded, match="drop --max-usd"):
         tp.preflight(unknown, {"train": 1000}, max_usd=100)
+
+
+def test_preflight_refuses_a_misspelt_token_kind():
+    with pytest.raises(ValueError, match="unknown token kinds \\['trained'\\]"):
+        tp.preflight("Qwen/Qwen3-8B", {"trained": 1000})
 
 
 def test_preflight_raises_unknown_model_for_a_typo():

@@ -85,10 +85,11 @@ def test_unknown_price_with_max_usd_exits_3_and_says_unknown(env):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--iterations", "-5"], "'-5' must be >= 0"),
+    (["--iterations", "-5"], "'-5' must be a finite number >= 0"),
     (["--iterations", "ten"], "'ten' is not an integer"),
-    (["--iterations", "5", "--avg-prompt", "nan"], "'nan' must be >= 0"),
-    (["--iterations", "5", "--group-size", "0"], "'0' must be >= 1"),
+    (["--iterations", "5", "--avg-prompt", "nan"], "'nan' must be a finite number >= 0"),
+    (["--iterations", "5", "--avg-completion", "inf"], "'inf' must be a finite number >= 0"),
+    (["--iterations", "5", "--group-size", "0"], "'0' must be a finite number >= 1"),
 ])
 def test_bad_counts_give_one_line_and_exit_2(env, args, expected):
     base = {"--iterations": "5", "--tasks-per-iter": "4", "--group-size": "4", "--avg-prompt": "10",
@@ -196,6 +197,8 @@ class PriceServer(http.server.BaseHTTPRequestHandler):
         PriceServer.user_agents.append(self.headers.get("User-Agent", ""))
         if self.headers.get("User-Agent", "").startswith("Python-urllib"):
             return self._send(403, b"forbidden")  # what the docs host does
+        if self.path == "/forbidden.json":
+            return self._send(403, b"forbidden")
         if self.path == "/slow.json":
             time.sleep(3)
         body = {"/valid.json": json.dumps(VALID), "/slow.json": json.dumps(VALID),
@@ -208,7 +211,10 @@ class PriceServer(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.wfile.write(body)
+        except BrokenPipeError:  # the client gave up first (the slow case)
+            pass
 
     def log_message(self, *args):
         pass
@@ -268,6 +274,13 @@ def test_refresh_times_out_on_a_slow_server_and_keeps_the_snapshot(env, tmp_path
     assert not (tmp_path / "override.json").exists()
 
 
+def test_refresh_http_error_is_one_line_and_exit_4(env, tmp_path, server):
+    code, out, err = run(env, "refresh", "--url", f"{server}/forbidden.json")
+    assert code == 4 and out == ""
+    assert_one_line_error(err)
+    assert "403" in err and not (tmp_path / "override.json").exists()
+
+
 def test_refresh_from_a_saved_file(env, tmp_path):
     saved = tmp_path / "models.json"
     saved.write_text(json.dumps(VALID))
@@ -284,3 +297,40 @@ def test_a_corrupt_override_falls_back_to_the_snapshot_with_a_warning(env, tmp_p
     code, out, err = run(env, "estimate", "--train-tokens", 1_000_000, "--json")
     assert code == 0 and json.loads(out)["usd"]["total"] == 0.44
     assert "ignoring the price override" in err
+
+
+# ---------------------------------------------------------------- copied alone / real tokenizer
+
+def test_script_copied_alone_still_writes_a_pricing_doc(env, tmp_path):
+    alone = tmp_path / "project"
+    alone.mkdir()
+    (alone / "tinker_pricing.py").write_bytes(SCRIPT.read_bytes())
+    proc = subprocess.run([sys.executable, "tinker_pricing.py", "init", "--out", "."], cwd=alone, env=env,
+                          capture_output=True, text=True, timeout=60)
+    doc = (alone / "TINKER_PRICING.md").read_text()
+    assert proc.returncode == 0, proc.stderr
+    assert "{{" not in doc and "2026-10-07" in doc
+    assert "| `Qwen/Qwen3-8B` | Qwen 3 | 8B dense | Hybrid | 32K | 0.195 | 0.039 | 0.60 | 0.44 |" in doc
+    assert "cached  = (G-1)P + G[(T-1)P + (T-1)C + (C+O)(T-1)(T-2)/2]" in doc
+
+
+def test_estimate_sft_counts_a_jsonl_with_a_real_chat_template(env, tmp_path, offline_tokenizer):
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = offline_tokenizer("Qwen3-8B")
+    conversations = [[{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+                     [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]]
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"messages": conversations[0]}) + "\n"
+                    + json.dumps({"prompt": "Name a colour.", "completion": "Blue."}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    lengths = [len(tokenizer.apply_chat_template(c, tokenize=True, return_dict=False)) for c in conversations]
+    assert min(lengths) > 10
+    code, out, err = run({**env, "HF_HUB_OFFLINE": "1"}, "estimate-sft", "--model", "Qwen3-8B", "--data", data,
+                         "--tokenizer", tokenizer_dir, "--epochs", 2, "--json")
+    assert code == 0, err
+    est = json.loads(out)
+    # each datum is its rendering minus one token; two epochs
+    assert est["inputs"]["train_tokens_per_epoch"] == sum(lengths) - 2
+    assert est["tokens"]["train"] == 2 * (sum(lengths) - 2)
+    assert est["usd"]["train"] == pytest.approx(est["tokens"]["train"] * 0.44 / 1e6)
