@@ -869,8 +869,8 @@ def main(argv=None):
           f"tokens, max {args.max_tokens} tokens per turn, up to {turns} turn(s)", file=sys.stderr)
 
     if args.dry_run:
-        print("first prompt as the sampler sees it:\n" + tokenizer.decode(rendered[0]), file=sys.stderr)
         check_context(args, tasks, rendered, args.context_window)
+        print("first prompt as the sampler sees it:\n" + tokenizer.decode(rendered[0]), file=sys.stderr)
         if env["env_step"] is None:  # the reward must hold its contract before any money is spent
             for i, task in enumerate(tasks):
                 checked_reward(call_user_code(env["reward"], task_label(tasks, i), task, ""), task_label(tasks, i))
