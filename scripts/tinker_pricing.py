@@ -926,6 +926,10 @@ formulas (I iterations, B tasks/iter, G group size, T turns, P prompt, C complet
                         cached  = (G-1)P + G[(T-1)(P+C) + (C+O)(T-1)(T-2)/2]
                         sample  = G*T*C,  train = G[P + T*C + (T-1)O]   (x I*B groups)
              turn k re-sends P+(k-1)(C+O); all but the new observation is assumed cached.
+  A datum is its tokens minus one (targets shift by one): these train counts run <= 1 token per
+  datum high. If the renderer breaks the prefix between turns (e.g. it drops earlier thinking),
+  each turn is its own datum and train = G * sum_k(P + (k-1)(C+O) + C): use `estimate`.
+  Not included unless you add them: reference-KL scoring (prefill), evaluation sampling, storage.
 
 catalogue {CATALOGUE_DATE} (billed prices incl. promotions); verify at {PRICING_PAGE_URL}.
 exit codes: 0 ok, 1 runtime failure, 2 bad input / unknown model, 3 above --max-usd,
@@ -943,9 +947,11 @@ def build_parser() -> argparse.ArgumentParser:
     est = argparse.ArgumentParser(add_help=False, parents=[common])
     est.add_argument("--model", "--model-name", dest="model", default=DEFAULT_MODEL,
                      help=f"Tinker id or short name (default {DEFAULT_MODEL})")
-    est.add_argument("--context", type=_number(int, 1), help="pick the cheapest variant with a window >= N")
-    est.add_argument("--storage-gb-months", type=_number(float, 0), default=0.0, metavar="X")
-    est.add_argument("--max-usd", type=_number(float, 0), help="exit 3 if the estimate is above this")
+    est.add_argument("--context", type=_number(int, 1), metavar="N",
+                     help="pick the cheapest variant with a window >= N tokens")
+    est.add_argument("--storage-gb-months", type=_number(float, 0), default=0.0, metavar="X",
+                     help="checkpoint storage to add, in GB-months")
+    est.add_argument("--max-usd", type=_number(float, 0), metavar="USD", help="exit 3 if the estimate is above this")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("list", parents=[common], help="the catalogue, filtered")
@@ -973,32 +979,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("estimate-sft", parents=[est], help="supervised fine-tuning",
                        epilog=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--examples", type=_number(int, 0))
-    p.add_argument("--avg-tokens", type=_number(float, 0), help="mean rendered example length")
-    p.add_argument("--epochs", type=_number(float, 0), default=1.0)
+    p.add_argument("--examples", type=_number(int, 0), metavar="N")
+    p.add_argument("--avg-tokens", type=_number(float, 0), metavar="L", help="mean rendered example length")
+    p.add_argument("--epochs", type=_number(float, 0), default=1.0, metavar="E", help="passes over the data (1)")
     p.add_argument("--data", metavar="FILE.jsonl", help="count with the tokenizer's chat template (messages, "
                    "prompt+completion or text rows); tinker_sft.py --dry-run counts with its own renderer")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (or hub name if cached) for --data")
-    p.add_argument("--max-length", type=_number(int, 2), help="truncate each example like the trainer")
+    p.add_argument("--max-length", type=_number(int, 2), metavar="N", help="truncate each example like the trainer")
     p.set_defaults(func=cmd_estimate_sft)
 
     p = sub.add_parser("estimate-rl", parents=[est], help="group-sampled RL (GRPO-style), multi-turn aware",
                        epilog=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iterations", type=_number(int, 0), required=True)
-    p.add_argument("--tasks-per-iter", type=_number(int, 0), required=True, help="groups per iteration (B)")
-    p.add_argument("--group-size", type=_number(int, 1), required=True, help="samples per task (G)")
-    p.add_argument("--turns", type=_number(int, 1), default=1)
-    p.add_argument("--avg-prompt", type=_number(float, 0), required=True, help="first prompt tokens (P)")
-    p.add_argument("--avg-completion", type=_number(float, 0), required=True, help="tokens sampled per turn (C)")
-    p.add_argument("--avg-observation", type=_number(float, 0), default=0.0, help="new tokens per later turn (O)")
+    p.add_argument("--iterations", type=_number(int, 0), required=True, metavar="I")
+    p.add_argument("--tasks-per-iter", type=_number(int, 0), required=True, metavar="B",
+                   help="groups (prompts) per iteration")
+    p.add_argument("--group-size", type=_number(int, 1), required=True, metavar="G", help="samples per task")
+    p.add_argument("--turns", type=_number(int, 1), default=1, metavar="T", help="model turns per episode (1)")
+    p.add_argument("--avg-prompt", type=_number(float, 0), required=True, metavar="P",
+                   help="first prompt tokens, rendered")
+    p.add_argument("--avg-completion", type=_number(float, 0), required=True, metavar="C",
+                   help="tokens sampled per turn")
+    p.add_argument("--avg-observation", type=_number(float, 0), default=0.0, metavar="O",
+                   help="new tokens (tool output, user reply) per later turn (0)")
     p.set_defaults(func=cmd_estimate_rl)
 
     p = sub.add_parser("estimate-sample", parents=[est], help="sampling / evaluation",
                        epilog=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=_number(int, 0), required=True)
-    p.add_argument("--avg-prompt", type=_number(float, 0), required=True)
-    p.add_argument("--max-tokens", type=_number(int, 0), required=True)
-    p.add_argument("--n", type=_number(int, 1), default=1, help="num_samples per prompt")
+    p.add_argument("--prompts", type=_number(int, 0), required=True, metavar="N")
+    p.add_argument("--avg-prompt", type=_number(float, 0), required=True, metavar="P", help="rendered prompt tokens")
+    p.add_argument("--max-tokens", type=_number(int, 0), required=True, metavar="M",
+                   help="every sample is priced as if it reached M")
+    p.add_argument("--n", type=_number(int, 1), default=1, help="num_samples per prompt (1)")
     p.set_defaults(func=cmd_estimate_sample)
 
     p = sub.add_parser("refresh", parents=[common], help="store the live models.json as a price override")
