@@ -905,6 +905,21 @@ def adapter_target_modules(keys) -> list[str]:
     return sorted(names)
 
 
+def peft_embedding_layout(state: dict, model, torch) -> dict:
+    """Embedding LoRA saved like a linear layer (SkyRL: `embed_tokens.lora_A.weight` [vocab, r],
+    `lora_B.weight` [r, hidden]) -> PEFT's `lora_embedding_A` [r, vocab] / `lora_embedding_B`
+    [hidden, r]. Both give the same update: delta[token] = A[token] @ B * alpha / r."""
+    embeddings = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)}
+    converted = {}
+    for key, tensor in state.items():
+        head, _, tail = key.rpartition(".lora_")
+        module = head.removeprefix("base_model.model.")
+        if module in embeddings and tail in ("A.weight", "B.weight"):
+            key, tensor = f"{head}.lora_embedding_{tail[0]}", tensor.T.contiguous()
+        converted[key] = tensor
+    return converted
+
+
 def cmd_merge(args) -> dict:
     try:
         import torch
@@ -949,6 +964,7 @@ def cmd_merge(args) -> dict:
         r=int(config.get("r", 8)), lora_alpha=float(config.get("lora_alpha", 8)), lora_dropout=0.0,
         target_modules=declared or targets, bias=config.get("bias", "none"),
         use_rslora=bool(config.get("use_rslora", False)), fan_in_fan_out=bool(config.get("fan_in_fan_out", False)))
+    state = peft_embedding_layout(state, model, torch)  # before PEFT wraps the embedding
     peft_model = peft.get_peft_model(model, lora_config)
     state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
     loaded = peft.set_peft_model_state_dict(peft_model, state)
