@@ -416,16 +416,21 @@ def rl_tokens(iterations: int, tasks_per_iter: int, group_size: int, avg_prompt:
     Per group of G with first prompt P, completion C per turn, new observation O per later turn,
     T turns (turn k's prompt is P + (k-1)(C+O); its prefix up to the last completion is a cache hit):
       prefill = P + G(T-1)O
-      cached  = (G-1)P + G[(T-1)P + (T-1)C + (C+O)(T-1)(T-2)/2]
+      cached  = (G-1)P + G[(T-1)(P+C) + (C+O)(T-1)(T-2)/2]
       sample  = G*T*C
       train   = G[P + T*C + (T-1)O]         (the whole merged datum, prompt included)
     Totals multiply by iterations x tasks_per_iter. T=1 gives prefill IBP, cached IB(G-1)P,
     sample IBGC, train IBG(P+C).
     """
-    groups, g, t, p, c, o = iterations * tasks_per_iter, group_size, turns, avg_prompt, avg_completion, avg_observation
-    prefill = p + g * (t - 1) * o
-    cached = (g - 1) * p + g * ((t - 1) * p + (t - 1) * c + (c + o) * (t - 1) * (t - 2) / 2)
-    return _tokens(groups * prefill, groups * cached, groups * g * t * c, groups * g * (p + t * c + (t - 1) * o))
+    g, t, p, c, o = group_size, turns, avg_prompt, avg_completion, avg_observation
+    per_group = {
+        "prefill": p + g * (t - 1) * o,
+        "cached_prefill": (g - 1) * p + g * ((t - 1) * (p + c) + (c + o) * (t - 1) * (t - 2) / 2),
+        "sample": g * t * c,
+        "train": g * (p + t * c + (t - 1) * o),
+    }
+    groups = iterations * tasks_per_iter
+    return _tokens(**{kind: groups * count for kind, count in per_group.items()})
 
 
 def count_sft_tokens(path: str | os.PathLike, tokenizer, max_length: int | None = None) -> dict:

@@ -311,7 +311,7 @@ def test_script_copied_alone_still_writes_a_pricing_doc(env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "{{" not in doc and "2026-10-07" in doc
     assert "| `Qwen/Qwen3-8B` | Qwen 3 | 8B dense | Hybrid | 32K | 0.195 | 0.039 | 0.60 | 0.44 |" in doc
-    assert "cached  = (G-1)P + G[(T-1)P + (T-1)C + (C+O)(T-1)(T-2)/2]" in doc
+    assert "cached  = (G-1)P + G[(T-1)(P+C) + (C+O)(T-1)(T-2)/2]" in doc
 
 
 def test_estimate_sft_counts_a_jsonl_with_a_real_chat_template(env, tmp_path, offline_tokenizer):
