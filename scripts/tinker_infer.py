@@ -548,6 +548,9 @@ def sample_http(args, rows: list[dict], model: str, fmt: dict) -> dict:
         require_sampler_path(model)
     base = oai_base_url(args)
     chat = fmt["kind"] == "chat"
+    if chat and fmt.get("template_kwargs"):
+        log(f"warning: the endpoint renders with the model's own template; the run's template kwargs "
+            f"{sorted(fmt['template_kwargs'])} are not applied (the SDK route applies them)")
     url = base + ("/chat/completions" if chat else "/completions")
     headers = {"Authorization": f"Bearer {key}"}
 
