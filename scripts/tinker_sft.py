@@ -213,11 +213,19 @@ def validate_example(obj, line_no):
             reasoning = m.get("reasoning_content")
             if reasoning is not None and not isinstance(reasoning, str):
                 raise DataError(f"{where}: message {i} reasoning_content must be a string")
-            if role == "assistant" and not content.strip() and not (reasoning or "").strip():
+            calls = m.get("tool_calls")
+            if calls is not None and (not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
+                raise DataError(f"{where}: message {i} tool_calls must be a list of "
+                                "{'type': 'function', 'function': {'name', 'arguments'}} objects")
+            if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
                 raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
             clean.append(dict(m))
         _check_role_order(clean, where)
-        return {"messages": clean, "line": line_no}
+        tools = obj.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: 'tools' must be a list of JSON-schema tool objects")
+        return {"messages": clean, "line": line_no, **({"tools": tools} if tools else {})}
     if "prompt" in obj or "completion" in obj:
         prompt, completion = obj.get("prompt"), obj.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
@@ -337,15 +345,54 @@ def _frozen_clock(date_iso):
         mod.datetime = real
 
 
-def _apply_template(tokenizer, messages, fmt, *, add_generation_prompt, thinking=None):
+def _tool_call_arguments(messages, as_text):
+    """Copies of messages whose tool-call arguments are dicts (the transformers convention, which
+    Qwen3, Qwen3.5, gpt-oss and Kimi templates expect) or JSON text (DeepSeek V3.1 concatenates)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m, tool_calls=[dict(c, function=_arguments(c["function"], as_text)) for c in m["tool_calls"]])
+        out.append(m)
+    return out
+
+
+def _arguments(function, as_text):
+    args = function.get("arguments", {})
+    if as_text and not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    elif not as_text and isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise RenderError(f"tool call {function.get('name')!r} has arguments that are not JSON: {args[:80]!r}") from None
+    return dict(function, arguments=args)
+
+
+def _apply_template(tokenizer, messages, fmt, *, add_generation_prompt, thinking=None, tools=None):
     kwargs = dict(fmt["template_kwargs"])
     frozen = kwargs.pop("strftime_now", None)
     if thinking is not None:
         kwargs["enable_thinking"] = kwargs["thinking"] = thinking
-    with _frozen_clock(frozen):
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
-        )
+    if tools:
+        kwargs["tools"] = tools
+
+    def render(msgs):
+        with _frozen_clock(frozen):
+            return tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+            )
+
+    try:
+        try:
+            ids = render(_tool_call_arguments(messages, as_text=False))
+        except TypeError:  # a template that concatenates arguments as text (DeepSeek V3.1)
+            ids = render(_tool_call_arguments(messages, as_text=True))
+    except RenderError:
+        raise
+    except Exception as e:  # jinja errors: one line naming the template, never a traceback
+        raise RenderError(
+            f"chat template of {fmt.get('tokenizer')} failed on this conversation: {type(e).__name__}: {e}"
+        ) from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older transformers ignore return_dict=False
         ids = ids["input_ids"]
     return list(ids)
@@ -362,13 +409,13 @@ def _raw_assistant_text(message):
     return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
 
 
-def generation_prompt(messages, tokenizer, fmt, *, thinking=None) -> list[int]:
+def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
     """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
     assistant header."""
     if fmt["kind"] == "chat":
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return _apply_template(tokenizer, messages, fmt, add_generation_prompt=True, thinking=thinking)
+        return _apply_template(tokenizer, messages, fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
     text = messages if isinstance(messages, str) else _role_colon_text(messages)
     bos = [tokenizer.bos_token_id] if fmt.get("bos") and tokenizer.bos_token_id is not None else []
     return bos + tokenizer.encode(text, add_special_tokens=False)
@@ -386,12 +433,13 @@ def _is_special(tokenizer, tok):
     return tok in tokenizer.all_special_ids or tok in getattr(tokenizer, "added_tokens_decoder", {})
 
 
-def _render_chat_turn(messages, i, tokenizer, fmt):
+def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
     """Rendered for assistant message i: weights 1 exactly on what the model must produce after the
     generation prompt, end-of-turn token included."""
     thinking = fmt["template_kwargs"].get("enable_thinking", False) or has_reasoning(messages[i])
-    prompt = _apply_template(tokenizer, messages[:i], fmt, add_generation_prompt=True, thinking=thinking)
-    full = _apply_template(tokenizer, messages[: i + 1], fmt, add_generation_prompt=False, thinking=thinking)
+    prompt = _apply_template(tokenizer, messages[:i], fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    full = _apply_template(tokenizer, messages[: i + 1], fmt, add_generation_prompt=False, thinking=thinking,
+                           tools=tools)
     template_id = f"{fmt.get('tokenizer')} (template sha256 {fmt['template_sha256'][:12]})"
     if full[: len(prompt)] != prompt:
         raise RenderError(
@@ -409,6 +457,13 @@ def _render_chat_turn(messages, i, tokenizer, fmt):
         raise RenderError(
             f"chat template of {template_id} ends assistant message {i} with "
             f"{tokenizer.decode(completion[-1:])!r}, not an end-of-turn special token; the model would never learn to stop"
+        )
+    reasoning = (messages[i].get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in tokenizer.decode(completion):
+        raise RenderError(
+            f"chat template of {template_id} drops the reasoning_content of assistant message {i} "
+            "(Kimi K2 keeps it only before a tool call; DeepSeek V3.1 never renders it); "
+            "remove reasoning_content to train the answer alone"
         )
     return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
 
@@ -434,7 +489,7 @@ def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[R
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if train_on == "last-assistant":
             turns = turns[-1:]
-        rendered = [_render_chat_turn(messages, i, tokenizer, fmt) for i in turns]
+        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
         return _merge_extensions(rendered)
 
     eos = tokenizer.eos_token_id
