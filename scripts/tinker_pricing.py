@@ -686,6 +686,10 @@ def cmd_show(args) -> int:
     variants = [r["id"] for r in rows if _base_of(r["id"]) == _base_of(row["id"])]
     if not args.json:
         for key, value in row.items():
+            if key == "sources":
+                value = "; ".join(f"{s} {SOURCES[s]}" if s in SOURCES else s for s in value.split())
+            elif value is None and key in ("list_price", "promo", "note"):
+                value = "-"  # none, as opposed to a figure nobody published
             print(f"{key:>16}: {_fmt(value)}", file=sys.stderr)
         print(f"{'variants':>16}: {', '.join(variants)}", file=sys.stderr)
     emit(row | {"variants": variants})

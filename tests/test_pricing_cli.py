@@ -200,7 +200,7 @@ class PriceServer(http.server.BaseHTTPRequestHandler):
         if self.path == "/forbidden.json":
             return self._send(403, b"forbidden")
         if self.path == "/slow.json":
-            time.sleep(3)
+            time.sleep(8)
         body = {"/valid.json": json.dumps(VALID), "/slow.json": json.dumps(VALID),
                 "/malformed.json": '[{"tinker_id": "Qwen/Qwen3-8B", "train": "cheap"}]',
                 "/truncated.json": json.dumps(VALID)[:-20]}.get(self.path)
@@ -267,7 +267,7 @@ def test_refresh_rejects_a_malformed_table_and_keeps_the_current_prices(env, tmp
 def test_refresh_times_out_on_a_slow_server_and_keeps_the_snapshot(env, tmp_path, server):
     started = time.monotonic()
     code, out, err = run(env, "refresh", "--url", f"{server}/slow.json", "--timeout", 0.5)
-    assert time.monotonic() - started < 2.9  # gave up before the server answered
+    assert time.monotonic() - started < 7  # gave up long before the server's 8 s answer
     assert code == 4 and out == ""
     assert_one_line_error(err)
     assert "timed out" in err and "snapshot 2026-10-07" in err
