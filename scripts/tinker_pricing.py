@@ -526,7 +526,7 @@ def _tok(n: int) -> str:
 
 
 def _usd(x) -> str:
-    return "unknown" if x is None else (f"${x:,.2f}" if x >= 1 or x == 0 else f"${x:.4f}")
+    return "unknown" if x is None else (f"${x:,.2f}" if x >= 0.01 or x == 0 else f"${x:.4f}")
 
 
 def summary_line(est: dict, label: str = "") -> str:
