@@ -48,7 +48,7 @@ REFRESH_TIMEOUT_S = 10.0
 USER_AGENT = "tinker-training-inference-pricing/0.1 (+https://tinker-docs.thinkingmachines.ai)"
 PRICE_KINDS = ("prefill", "cached_prefill", "sample", "train")
 
-# ==== CATALOGUE SNAPSHOT ====
+# ==== EDIT ME: SNAPSHOT, the dated price catalogue (or run `refresh` instead) ====
 # USD per 1M tokens as billed (promotions included): the 29 training rows of the Models & Pricing
 # table as reconstructed from the sources below, the beta serverless rows, and the cookbook-0.6.1
 # models with no published price. `None` means "not found in any source": never fill it with a
