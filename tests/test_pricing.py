@@ -311,3 +311,39 @@ def test_markdown_table_lists_every_row_with_its_rates():
     assert len(lines) == len(tp.SNAPSHOT)
     qwen = next(line for line in lines if line.startswith("| `Qwen/Qwen3-8B`"))
     assert "| 32K | 0.195 | 0.039 | 0.60 | 0.44 |" in qwen
+
+
+# ---------------------------------------------------------------- price files
+
+def test_a_table_without_cached_prefill_keeps_the_snapshot_rate_and_says_so(tmp_path):
+    # the pre-July-17 models.json had no cached_prefill field
+    old = [{"name": "Qwen3-8B", "tinker_id": "Qwen/Qwen3-8B", "context": "32K",
+            "prefill": "$0.13", "sample": "$0.40", "train": "$0.40"}]
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps(old))
+    rows, meta = tp.load_catalogue(path)
+    qwen = tp.resolve_model("Qwen3-8B", rows=rows)
+    assert (qwen["prefill"], qwen["cached_prefill"], qwen["sample"], qwen["train"]) == (0.13, 0.039, 0.40, 0.40)
+    assert "cached_prefill kept from the 2026-10-07 snapshot" in qwen["note"]
+    assert meta["source"].startswith("override") and qwen["catalogue_date"] == meta["date"]
+    # 1M train tokens at 0.40 and 1M cached at 0.039
+    est = tp.estimate_cost("Qwen3-8B", train=1_000_000, cached_prefill=1_000_000, rows=rows)
+    assert est["usd"]["total"] == pytest.approx(0.439)
+
+
+@pytest.mark.parametrize("bad, problem", [
+    ([], "non-empty JSON array"),
+    ([{"name": "x"}], "no tinker_id"),
+    ([{"tinker_id": "a/b", "train": "$-1"}], "out of range"),
+    ([{"tinker_id": "a/b", "train": "cheap"}], "is not like"),
+    ([{"tinker_id": "a/b", "train": "$1", "sample": "$1", "context": "big"}], "context 'big'"),
+    ([{"tinker_id": "a/b", "prefill": "$1"}], "not a price table"),
+])
+def test_malformed_tables_are_rejected_with_the_reason(bad, problem):
+    with pytest.raises(ValueError, match=problem):
+        tp.parse_models_json(bad)
+
+
+def test_a_missing_price_file_is_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        tp.load_catalogue(tmp_path / "nope.json")
