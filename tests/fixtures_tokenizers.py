@@ -34,6 +34,22 @@ def offline_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def chat_family(offline_tokenizer):
+    """chat_family(name) -> (tokenizer, chat format record of tinker_sft), loaded once per session."""
+    import tinker_sft
+
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            tok = tinker_sft.load_tokenizer(offline_tokenizer(name))
+            loaded[name] = (tok, tinker_sft.chat_format(tok, name=name))
+        return loaded[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tml_renderers():
     src = build_tokenizers.fetch_sources(build_tokenizers.cache_root())
     return build_tokenizers.import_tml(src)

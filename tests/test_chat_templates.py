@@ -45,20 +45,6 @@ SINGLE = [SYSTEM, {"role": "user", "content": "What is 2+2?"}, {"role": "assista
 MULTI = SINGLE + [{"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}]
 
 
-@pytest.fixture(scope="session")
-def chat(offline_tokenizer):
-    """chat(name) -> (tokenizer, chat format record), loaded once per session."""
-    loaded = {}
-
-    def get(name):
-        if name not in loaded:
-            tok = sft.load_tokenizer(offline_tokenizer(name))
-            loaded[name] = (tok, sft.chat_format(tok, name=name))
-        return loaded[name]
-
-    return get
-
-
 def weighted_text(tok, r) -> list[str]:
     return sft.weighted_spans(tok, r)
 
@@ -76,8 +62,8 @@ def one(rendered):
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_weighted_tokens_are_the_answer_and_the_end_of_turn(chat, name):
-    tok, fmt = chat(name)
+def test_weighted_tokens_are_the_answer_and_the_end_of_turn(chat_family, name):
+    tok, fmt = chat_family(name)
     r = one(sft.render_example({"messages": SINGLE}, tok, fmt))
     assert weighted_text(tok, r) == [trained_answer(name, "4")]
     last_weighted = max(i for i, w in enumerate(r.weights) if w)
@@ -87,8 +73,8 @@ def test_weighted_tokens_are_the_answer_and_the_end_of_turn(chat, name):
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_system_user_and_generation_prompt_carry_no_weight(chat, name):
-    tok, fmt = chat(name)
+def test_system_user_and_generation_prompt_carry_no_weight(chat_family, name):
+    tok, fmt = chat_family(name)
     r = one(sft.render_example({"messages": SINGLE}, tok, fmt))
     prompt = sft.generation_prompt(SINGLE[:-1], tok, fmt)
     assert r.tokens[: len(prompt)] == prompt, "the sampler's prompt is the datum's prefix"
@@ -100,16 +86,16 @@ def test_system_user_and_generation_prompt_carry_no_weight(chat, name):
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_last_assistant_trains_only_the_final_turn(chat, name):
-    tok, fmt = chat(name)
+def test_last_assistant_trains_only_the_final_turn(chat_family, name):
+    tok, fmt = chat_family(name)
     r = one(sft.render_example({"messages": MULTI}, tok, fmt, train_on="last-assistant"))
     assert weighted_text(tok, r) == [trained_answer(name, "6")]
     assert "4" in unweighted_text(tok, r), "the earlier answer is context"
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_all_assistant_trains_every_turn_merged_only_where_the_template_extends(chat, name):
-    tok, fmt = chat(name)
+def test_all_assistant_trains_every_turn_merged_only_where_the_template_extends(chat_family, name):
+    tok, fmt = chat_family(name)
     rendered = sft.render_example({"messages": MULTI}, tok, fmt, train_on="all-assistant")
     last = one(sft.render_example({"messages": MULTI}, tok, fmt, train_on="last-assistant"))
     if MERGES_TURNS[name]:
@@ -125,8 +111,8 @@ def test_all_assistant_trains_every_turn_merged_only_where_the_template_extends(
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_generation_prompt_is_the_prefix_before_every_trained_turn(chat, name):
-    tok, fmt = chat(name)
+def test_generation_prompt_is_the_prefix_before_every_trained_turn(chat_family, name):
+    tok, fmt = chat_family(name)
     for i in (2, 4):
         r = one(sft.render_example({"messages": MULTI[: i + 1]}, tok, fmt))
         prompt = sft.generation_prompt(MULTI[:i], tok, fmt)
@@ -135,8 +121,8 @@ def test_generation_prompt_is_the_prefix_before_every_trained_turn(chat, name):
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_stop_tokens_end_each_family_turn(chat, name):
-    tok, fmt = chat(name)
+def test_stop_tokens_end_each_family_turn(chat_family, name):
+    tok, fmt = chat_family(name)
     assert fmt["stop"] == tok.convert_tokens_to_ids(STOPS[name])
     assert sft.stop_tokens(tok, fmt) == fmt["stop"]
     for r in sft.render_example({"messages": MULTI}, tok, fmt, train_on="all-assistant"):
@@ -148,8 +134,8 @@ def test_stop_tokens_end_each_family_turn(chat, name):
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_rendering_is_identical_across_calls_and_days(chat, name):
-    tok, fmt = chat(name)
+def test_rendering_is_identical_across_calls_and_days(chat_family, name):
+    tok, fmt = chat_family(name)
     first = one(sft.render_example({"messages": SINGLE}, tok, fmt))
     again = one(sft.render_example({"messages": SINGLE}, tok, fmt))
     assert first == again
@@ -190,8 +176,8 @@ TRAINED_REASONING = {  # what a message with reasoning_content trains, after its
 
 
 @pytest.mark.parametrize("name", sorted(TRAINED_REASONING))
-def test_reasoning_content_is_trained_with_the_answer(chat, name):
-    tok, fmt = chat(name)
+def test_reasoning_content_is_trained_with_the_answer(chat_family, name):
+    tok, fmt = chat_family(name)
     r = one(sft.render_example({"messages": REASONING[:2]}, tok, fmt))
     assert weighted_text(tok, r) == [TRAINED_REASONING[name]]
     prompt = tok.decode(sft.generation_prompt(REASONING[:1], tok, fmt, thinking=True))
@@ -200,8 +186,8 @@ def test_reasoning_content_is_trained_with_the_answer(chat, name):
 
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3.5-4B", "gpt-oss-20b"])
-def test_history_reasoning_is_dropped_so_each_turn_is_its_own_datum(chat, name):
-    tok, fmt = chat(name)
+def test_history_reasoning_is_dropped_so_each_turn_is_its_own_datum(chat_family, name):
+    tok, fmt = chat_family(name)
     first, second = sft.render_example({"messages": REASONING}, tok, fmt, train_on="all-assistant")
     assert "Add two and two." in "".join(weighted_text(tok, first))
     assert "Add two and two." not in tok.decode(second.tokens), "the model never sees old reasoning"
@@ -209,14 +195,14 @@ def test_history_reasoning_is_dropped_so_each_turn_is_its_own_datum(chat, name):
 
 
 @pytest.mark.parametrize("name", ["DeepSeek-V3.1", "Kimi-K2-Thinking"])
-def test_templates_that_drop_reasoning_stop_with_a_clear_error(chat, name):
-    tok, fmt = chat(name)
+def test_templates_that_drop_reasoning_stop_with_a_clear_error(chat_family, name):
+    tok, fmt = chat_family(name)
     with pytest.raises(sft.RenderError, match=re.escape(name)):
         sft.render_example({"messages": REASONING[:2]}, tok, fmt)
 
 
-def test_reasoning_tokens_count_against_max_tokens(chat):
-    tok, fmt = chat("Qwen3-8B")
+def test_reasoning_tokens_count_against_max_tokens(chat_family):
+    tok, fmt = chat_family("Qwen3-8B")
     with_reasoning = one(sft.render_example({"messages": REASONING[:2]}, tok, fmt))
     answer_only = one(sft.render_example({"messages": [REASONING[0], {"role": "assistant", "content": "4"}]},
                                          tok, fmt))
@@ -250,8 +236,8 @@ def doc_block(name: str, body: str) -> str:
 
 
 @pytest.mark.parametrize("name", CHAT_FAMILIES)
-def test_doc_examples_match_the_renderer(chat, name):
-    tok, fmt = chat(name)
+def test_doc_examples_match_the_renderer(chat_family, name):
+    tok, fmt = chat_family(name)
     block = doc_block(name, render_doc_example(tok, fmt, name))
     text = DOC.read_text(encoding="utf-8")
     pattern = re.compile(rf"<!-- rendered:{re.escape(name)} -->.*?<!-- /rendered:{re.escape(name)} -->", re.S)
