@@ -1,4 +1,69 @@
 """Fixture `local_tinker`: one local Tinker-compatible backend for the whole test session.
 
 Owned by the local-backend work (issue 3); see DEVELOPING.md for the interface.
+
+    def test_sft_runs(local_tinker):
+        subprocess.run([...], env=local_tinker.env, check=True)   # a script in a subprocess
+
+    def test_in_process(local_tinker, monkeypatch):
+        local_tinker.apply(monkeypatch)                          # os.environ for the SDK here
+        tc = tinker.ServiceClient().create_lora_training_client(local_tinker.model, rank=8).result()
+
+Set TINKER_TEST_BASE_URL=http://127.0.0.1:PORT to reuse a server started with
+`python scripts/tinker_local.py serve` instead of starting one per pytest run.
 """
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import tinker_local
+
+
+@dataclass
+class LocalTinker:
+    base_url: str
+    model: str
+    tokenizer_dir: Path
+    env: dict = field(repr=False)      # os.environ plus the client variables, for subprocesses
+    client_env: dict = field(repr=False)  # only the variables the server adds
+    server: tinker_local.Server | None = None  # None when reusing TINKER_TEST_BASE_URL
+
+    def apply(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Point the in-process SDK at the local server for one test."""
+        for key, value in self.client_env.items():
+            monkeypatch.setenv(key, value)
+
+
+def _make(base_url: str, home: Path, server=None) -> LocalTinker:
+    added = tinker_local.client_env(base_url, home)
+    return LocalTinker(base_url=base_url, model=tinker_local.DEFAULT_MODEL,
+                       tokenizer_dir=tinker_local.tiny_model_dir(home),
+                       env={**os.environ, **added}, client_env=added, server=server)
+
+
+@pytest.fixture(scope="session")
+def local_tinker():
+    venv, home = tinker_local.resolve_venv(), tinker_local.resolve_home()
+    reuse = os.environ.get("TINKER_TEST_BASE_URL")
+    if reuse:
+        if not tinker_local.tiny_model_dir(home).exists():
+            pytest.fail(f"TINKER_TEST_BASE_URL is set but {home} has no tiny model; "
+                        "run `python scripts/tinker_local.py setup` (same TINKER_LOCAL_HOME)")
+        yield _make(reuse.rstrip("/"), home)
+        return
+    try:
+        tinker_local.setup(venv, home, python=sys.executable if sys.version_info[:2] == (3, 11) else None)
+        server = tinker_local.start_server(tinker_local.DEFAULT_MODEL, venv=venv, home=home)
+    except tinker_local.LocalError as exc:
+        pytest.fail(f"local Tinker backend: {exc}", pytrace=False)
+    try:
+        print(f"\nlocal tinker ready in {server.ready_seconds:.1f} s at {server.base_url} "
+              f"(log {server.log})", file=sys.stderr)
+        yield _make(server.base_url, home, server)
+    finally:
+        server.stop()
