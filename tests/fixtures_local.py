@@ -47,17 +47,28 @@ def _make(base_url: str, home: Path, server=None) -> LocalTinker:
 
 
 @pytest.fixture(scope="session")
-def local_tinker():
+def local_backend_install():
+    """(venv, home) of the installed local backend; runs the idempotent `setup` once."""
     venv, home = tinker_local.resolve_venv(), tinker_local.resolve_home()
+    try:
+        tinker_local.setup(venv, home, python=sys.executable if sys.version_info[:2] == (3, 11) else None)
+    except tinker_local.LocalError as exc:
+        pytest.fail(f"local Tinker backend setup: {exc}", pytrace=False)
+    return venv, home
+
+
+@pytest.fixture(scope="session")
+def local_tinker(request):
     reuse = os.environ.get("TINKER_TEST_BASE_URL")
     if reuse:
+        home = tinker_local.resolve_home()
         if not tinker_local.tiny_model_dir(home).exists():
             pytest.fail(f"TINKER_TEST_BASE_URL is set but {home} has no tiny model; "
                         "run `python scripts/tinker_local.py setup` (same TINKER_LOCAL_HOME)")
         yield _make(reuse.rstrip("/"), home)
         return
+    venv, home = request.getfixturevalue("local_backend_install")
     try:
-        tinker_local.setup(venv, home, python=sys.executable if sys.version_info[:2] == (3, 11) else None)
         server = tinker_local.start_server(tinker_local.DEFAULT_MODEL, venv=venv, home=home)
     except tinker_local.LocalError as exc:
         pytest.fail(f"local Tinker backend: {exc}", pytrace=False)

@@ -57,9 +57,9 @@ def tinker_local_cli(*args: str, timeout: float = 600, env: dict | None = None):
 
 
 @pytest.fixture(scope="session")
-def installed(local_tinker):
-    """The server venv and cache folder, installed (the local_tinker fixture runs setup)."""
-    return tinker_local.resolve_venv(), tinker_local.resolve_home()
+def installed(local_backend_install):
+    """The server venv and cache folder, installed; no server started."""
+    return local_backend_install
 
 
 def datums(tokenizer, texts=TEXTS, **extra_inputs):
@@ -220,3 +220,230 @@ def test_rest_client_lists_the_runs_checkpoints(local_tinker, sdk):
     assert "e2e-listed" in names
     runs = rest.list_training_runs().result().training_runs
     assert training.model_id in {r.training_run_id for r in runs}
+
+
+# ---------------------------------------------------------------- the shims: present and needed
+
+
+@pytest.mark.e2e
+def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
+    """If a skyrl release closes a gap, this fails: retire that shim rather than carry it."""
+    venv, home = installed
+    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SCRIPT), "_server", "gaps"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    gaps = json.loads(done.stdout.strip().splitlines()[-1])
+    assert gaps == {
+        "typing_typeddict_py311": True, "engine_started_by_uv_run": True,
+        "asample_without_sample_sequence_ids": True, "load_weights_requires_model_id": True,
+        "no_loss_sum_metric": True, "sampler_path_without_kind": True,
+        "no_session_finish_route": True,
+    }
+
+
+@pytest.mark.e2e
+def test_shims_apply_to_the_installed_versions(installed):
+    """`_server check` applies every shim and fails loudly on another skyrl or tinker version."""
+    venv, _ = installed
+    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SCRIPT), "_server", "check"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "shims ok: skyrl 0.4.0, tinker 0.38.0" in done.stdout
+
+
+def test_the_sdk_still_relies_on_what_the_shims_add():
+    """The client side of each gap, read from the installed tinker SDK."""
+    import inspect
+
+    import tinker
+    from tinker.lib.public_interfaces import sampling_client, service_client, training_client
+    assert tinker.__version__ == "0.38.0"
+    assert "asample promises always carry sample_sequence_ids" in inspect.getsource(sampling_client)
+    assert 'metrics.pop("loss:sum")' in inspect.getsource(training_client)
+    assert {"session_id", "model_seq_id"} <= set(tinker.types.LoadWeightsRequest.model_fields)
+    assert 'model_id = f"{session_id}:train:{model_seq_id}"' in inspect.getsource(service_client)
+    assert "/api/v1/sessions/{session_id}/finish" in inspect.getsource(service_client)
+
+
+# ---------------------------------------------------------------- setup
+
+
+@pytest.mark.e2e
+def test_setup_when_done_skips_every_step(installed):
+    venv, home = installed
+    started = time.monotonic()
+    done = tinker_local_cli("setup", "--venv", str(venv), "--home", str(home), timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert {k: v for k, v in result["steps"].items() if k != "seed HF cache"} == {
+        "install torch": "skipped", "install pinned packages": "skipped",
+        "install skyrl": "skipped", "check shims": "skipped", "build tiny model": "skipped"}
+    assert time.monotonic() - started < 60
+
+
+def test_setup_with_a_broken_package_index_names_the_step_and_log_and_resumes(tmp_path):
+    env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",
+           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "",
+           "PIP_RETRIES": "0", "PIP_TIMEOUT": "1", "PIP_NO_CACHE_DIR": "1"}
+    args = ("setup", "--venv", str(tmp_path / "venv"), "--home", str(tmp_path / "home"))
+    first = tinker_local_cli(*args, env=env, timeout=300)
+    assert first.returncode == 1
+    error = first.stderr.strip().splitlines()[-1]
+    log = tmp_path / "home" / "logs" / "setup-torch.log"
+    assert f"setup step 'install torch' failed (exit 1); log: {log}" in error
+    assert "torch" in log.read_text()
+    assert first.stdout == ""
+    second = tinker_local_cli(*args, env=env, timeout=300)
+    assert second.returncode == 1
+    assert "create venv" not in second.stderr  # the finished step is not redone
+    assert "setup step 'install torch' failed" in second.stderr
+
+
+# ---------------------------------------------------------------- serve / run: faults and processes
+
+
+def test_run_without_a_command_is_a_usage_error():
+    done = tinker_local_cli("run", "--")
+    assert done.returncode == 2
+    assert "run needs a command" in done.stderr
+
+
+@pytest.mark.e2e
+def test_serve_on_a_taken_port_fails_in_one_line_naming_the_log(installed, tmp_path):
+    venv, home = installed
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = tinker_local_cli("serve", "--venv", str(venv), "--home", str(home),
+                                "--port", str(port), "--run-dir", str(tmp_path), timeout=60)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("tinker_local: local rehearsal: a tiny random model stands in for Qwen/Qwen3-8B")
+    assert len(lines) == 2
+    assert f"port {port} on 127.0.0.1 is taken" in lines[1]
+    assert f"log: {tmp_path / 'server.log'}" in lines[1]
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+@pytest.mark.e2e
+def test_server_crash_at_start_is_reported_with_the_log_and_leaves_no_process(installed, tmp_path):
+    venv, home = installed
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    run_dir = tmp_path / "run"
+    done = tinker_local_cli("run", "--venv", str(venv), "--home", str(home), "--weights", str(empty),
+                            "--run-dir", str(run_dir), "--", sys.executable, "-c", "print('never')")
+    assert done.returncode == 1
+    assert "never" not in done.stdout
+    error = done.stderr.strip().splitlines()[-1]
+    assert "the server exited during start" in error and f"log: {run_dir / 'server.log'}" in error
+    assert (run_dir / "server.log").stat().st_size > 0
+    assert wait_no_processes(str(run_dir)) == []
+
+
+@pytest.mark.e2e
+def test_engine_not_ready_in_time_is_reported_with_the_log_and_leaves_no_process(installed, tmp_path):
+    venv, home = installed
+    done = tinker_local_cli("run", "--venv", str(venv), "--home", str(home), "--ready-timeout", "2",
+                            "--run-dir", str(tmp_path), "--", sys.executable, "-c", "print('never')")
+    assert done.returncode == 1
+    error = done.stderr.strip().splitlines()[-1]
+    assert f"the engine was not ready within 2 s; log: {tmp_path / 'server.log'}" in error
+    assert wait_no_processes(str(tmp_path)) == []
+
+
+CHILD = """
+import os, sys, urllib.request
+url = os.environ["TINKER_BASE_URL"]
+urllib.request.urlopen(url + "/api/v1/healthz", timeout=10).read()
+print(url, os.environ["TINKER_API_KEY"], os.environ["HF_HUB_OFFLINE"])
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.e2e
+def test_two_runs_at_once_use_separate_ports_and_folders_and_return_the_commands_code(installed, tmp_path):
+    venv, home = installed
+    runs = {}
+    for name, code in (("a", 0), ("b", 7)):
+        runs[name] = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "run", "--venv", str(venv), "--home", str(home),
+             "--run-dir", str(tmp_path / name), "--", sys.executable, "-c", CHILD, str(code)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {name: proc.communicate(timeout=900) for name, proc in runs.items()}
+    assert runs["a"].returncode == 0, out["a"][1]
+    assert runs["b"].returncode == 7, out["b"][1]
+    url_a, url_b = out["a"][0].split()[0], out["b"][0].split()[0]
+    assert url_a != url_b and url_a.startswith("http://127.0.0.1:")
+    assert out["a"][0].split()[1:] == ["tml-local", "1"]
+    for name in "ab":
+        assert "local rehearsal: a tiny random model stands in for Qwen/Qwen3-8B" in out[name][1]
+        assert (tmp_path / name / "server.log").exists() and (tmp_path / name / "tinker.db").exists()
+        assert wait_no_processes(str(tmp_path / name)) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_serve_leaves_no_process_when_stopped_or_killed(installed, tmp_path, sig):
+    venv, home = installed
+    serve = subprocess.Popen([sys.executable, str(SCRIPT), "serve", "--json", "--venv", str(venv),
+                              "--home", str(home), "--run-dir", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = serve.stdout.readline()
+    assert line, serve.stderr.read()
+    info = json.loads(line)
+    assert info["env"]["TINKER_BASE_URL"] == info["base_url"]
+    assert len(processes_mentioning(str(tmp_path))) == 2  # the API process and its engine
+    serve.send_signal(sig)
+    serve.wait(timeout=60)
+    if sig == signal.SIGTERM:
+        assert serve.returncode == 130
+    assert wait_no_processes(str(tmp_path), timeout=30) == []
+
+
+# ---------------------------------------------------------------- adapter slots
+
+
+@pytest.mark.e2e
+def test_more_training_clients_than_adapter_slots_succeed_once_earlier_ones_end(installed, tmp_path,
+                                                                              monkeypatch):
+    """3 adapters = 2 slots. A closed ServiceClient frees its slots at once; a client process
+    that dies without closing frees them when its session expires."""
+    import tinker
+    venv, home = installed
+    server = tinker_local.start_server(venv=venv, home=home, run_dir=tmp_path, max_lora_adapters=3,
+                                       session_timeout_sec=20)
+    try:
+        for key, value in server.env.items():
+            monkeypatch.setenv(key, value)
+        first = tinker.ServiceClient()
+        created = [first.create_lora_training_client(server.model, rank=8).result() for _ in range(2)]
+        assert len({c.model_id for c in created}) == 2
+        with pytest.raises(Exception, match=r"Maximum number of LoRA adapters \(3\) reached"):
+            first.create_lora_training_client(server.model, rank=8).result()
+        first.close("success").result()
+
+        second = tinker.ServiceClient()
+        kept = second.create_lora_training_client(server.model, rank=8).result()
+        dies = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            import os, tinker
+            tinker.ServiceClient().create_lora_training_client({server.model!r}, rank=8).result()
+            os._exit(0)  # no close(): the slot is freed only when the session expires
+        """)], env={**os.environ, **server.env}, capture_output=True, text=True, timeout=300)
+        assert dies.returncode == 0, dies.stderr[-2000:]
+        deadline, attempts, late = time.monotonic() + 120, 0, None
+        while late is None:
+            attempts += 1
+            try:
+                late = second.create_lora_training_client(server.model, rank=8).result()
+            except Exception as exc:
+                assert "Maximum number of LoRA adapters" in str(exc)
+                assert time.monotonic() < deadline, "the dead client's slot never came back"
+                time.sleep(3)
+        assert attempts > 1  # it was full until the dead session expired
+        assert late.model_id != kept.model_id
+        second.close("success").result()
+    finally:
+        server.stop()
+    assert wait_no_processes(str(tmp_path)) == []
