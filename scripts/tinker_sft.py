@@ -900,18 +900,19 @@ def greedy_samples(sampler, probes, fmt, tokenizer, max_tokens):
     for f in futures:
         seq = f.result().sequences[0]
         toks = [t for t in seq.tokens if t not in fmt["stop"]]
-        outs.append(tokenizer.decode(toks, skip_special_tokens=False))
+        outs.append((tokenizer.decode(toks, skip_special_tokens=False), len(seq.tokens)))
     return outs
 
 
-def evaluate(forward, sampler, test_rendered, probes, fmt, tokenizer, args, step, log, when):
+def evaluate(forward, sampler, test_rendered, probes, fmt, tokenizer, args, step, log, when, sampled_from=None):
     """Held-out NLL (from a queued forward) and greedy probes; one row in LOG/eval.jsonl."""
     nll = batch_nll(forward.result(), [trained_mask(r) for r in test_rendered]) if forward else None
     row = {"step": step, "when": when, "nll": nll,
            "test_tokens": sum(sum(trained_mask(r)) for r in test_rendered)}
     if sampler is not None and probes:
-        for p, text in zip(probes, greedy_samples(sampler, probes, fmt, tokenizer, args.max_tokens)):
-            p[when] = text
+        for p, (text, n) in zip(probes, greedy_samples(sampler, probes, fmt, tokenizer, args.max_tokens)):
+            p[when], p[f"{when}_sampled_tokens"] = text, n
+        row["sampled_from"] = sampled_from
         row["probes"] = [{k: v for k, v in p.items() if k != "tokens"} for p in probes]
     append_row(log / "eval.jsonl", row)
     nll_text = "n/a" if nll is None else f"{nll:.4f}"
@@ -962,7 +963,7 @@ def train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr, per_e
         # Probes before training sample the base model (a fresh LoRA is the identity).
         base = service.create_sampling_client(base_model=args.model_name).result() if probes else None
         nll_before = evaluate(submit_held_out(tc, test_rendered), base, test_rendered, probes, fmt, tokenizer,
-                              args, 0, log, "before")
+                              args, 0, log, "before", sampled_from=args.model_name)
 
     def submit(step):
         """Queue one step (and its save) on the server; nothing here waits."""
@@ -1009,7 +1010,8 @@ def train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr, per_e
     pipelined(start, total_steps, submit, finish)
     final = save_checkpoint(tc, log, "final", total_steps, per_epoch, fmt, sampler=True)
     sampler = service.create_sampling_client(model_path=final["sampler_path"]).result() if probes else None
-    nll_after = evaluate(submit_held_out(tc, test_rendered), sampler, test_rendered, probes, fmt, tokenizer, args, total_steps, log, "after")
+    nll_after = evaluate(submit_held_out(tc, test_rendered), sampler, test_rendered, probes, fmt, tokenizer,
+                         args, total_steps, log, "after", sampled_from=final["sampler_path"])
     return final, nll_before, nll_after
 
 
