@@ -724,10 +724,13 @@ def apply_api_shims(api) -> None:
 def apply_engine_shims() -> None:
     from skyrl.backends import jax as jax_backend
     from skyrl.tinker import engine, types
+    from skyrl.tinker.db_models import SessionDB
+    from sqlmodel import Session, update
 
     model_pass = jax_backend.JaxBackendImpl._model_pass
     run = engine.TinkerEngine.run
     save_for_sampler = engine.TinkerEngine.process_save_weights_for_sampler
+    cleanup = engine.TinkerEngine.cleanup_stale_sessions
 
     # Gap 5, loss:sum: SDK 0.38's forward_backward_custom (and our scripts' logs) read
     # metrics["loss:sum"]; skyrl returns empty metrics. The per-token loss is already
@@ -758,8 +761,21 @@ def apply_engine_shims() -> None:
             output.path = f"{prefix}sampler_weights/{path[len(prefix):]}"
         return output
 
+    # Adapter slots: skyrl expires a session when last_heartbeat_at is older than the timeout,
+    # but that column stays NULL until the first heartbeat (10 s after start), so a client
+    # process that ends sooner (most short scripts and tests) never expires and its LoRA slot
+    # leaks for the server's lifetime. Count such a session as last seen at its creation.
+    def cleanup_including_silent_sessions(self):
+        with Session(self.db_engine) as session:
+            session.exec(update(SessionDB)
+                         .where(SessionDB.status == "active", SessionDB.last_heartbeat_at.is_(None))
+                         .values(last_heartbeat_at=SessionDB.created_at))
+            session.commit()
+        return cleanup(self)
+
     jax_backend.JaxBackendImpl._model_pass = model_pass_with_loss_sum
     engine.TinkerEngine.process_save_weights_for_sampler = save_for_sampler_with_kind
+    engine.TinkerEngine.cleanup_stale_sessions = cleanup_including_silent_sessions
     engine.TinkerEngine.run = run_and_signal_ready
 
 
@@ -823,6 +839,7 @@ def gaps_still_open() -> dict[str, bool]:
     from skyrl.backends.jax import JaxBackendImpl
     from skyrl.tinker import api
     from skyrl.tinker.config import EngineConfig
+    from skyrl.tinker.db_models import SessionDB
     from skyrl.tinker.engine import TinkerEngine
     paths = {getattr(r, "path", None) for r in api.app.router.routes}
     cfg = EngineConfig(base_model="x", backend="jax")
@@ -839,6 +856,8 @@ def gaps_still_open() -> dict[str, bool]:
         "no_loss_sum_metric": "loss:sum" not in inspect.getsource(JaxBackendImpl._model_pass),
         "sampler_path_without_kind": 'f"tinker://{model_id}/{checkpoint_id}"' in inspect.getsource(
             TinkerEngine.process_save_weights_for_sampler),
+        "silent_sessions_never_expire": SessionDB.model_fields["last_heartbeat_at"].default is None
+            and "last_heartbeat_at < cutoff" in inspect.getsource(TinkerEngine.cleanup_stale_sessions),
         "no_session_finish_route": "/api/v1/sessions/{session_id}/finish" not in paths,
     }
 

@@ -237,7 +237,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "typing_typeddict_py311": True, "engine_started_by_uv_run": True,
         "asample_without_sample_sequence_ids": True, "load_weights_requires_model_id": True,
         "no_loss_sum_metric": True, "sampler_path_without_kind": True,
-        "no_session_finish_route": True,
+        "silent_sessions_never_expire": True, "no_session_finish_route": True,
     }
 
 
@@ -394,7 +394,7 @@ def test_serve_leaves_no_process_when_stopped_or_killed(installed, tmp_path, sig
     assert line, serve.stderr.read()
     info = json.loads(line)
     assert info["env"]["TINKER_BASE_URL"] == info["base_url"]
-    assert len(processes_mentioning(str(tmp_path))) == 2  # the API process and its engine
+    assert len(processes_mentioning(str(tmp_path))) == 3  # serve, the API process, its engine
     serve.send_signal(sig)
     serve.wait(timeout=60)
     if sig == signal.SIGTERM:
