@@ -447,6 +447,21 @@ def sample_sdk(args, rows: list[dict], model: str, fmt: dict, tokenizer_name: st
     if not is_path:
         check_model_served(model)
     service = tinker.ServiceClient()
+    status = "errored"
+    try:
+        result = sample_with(service, args, rows, model, fmt, tokenizer_name, is_path)
+        status = "success"
+        return result
+    finally:
+        try:  # ends the session at once instead of letting it time out on the server
+            service.close(status).result(timeout=30)
+        except Exception:
+            pass
+
+
+def sample_with(service, args, rows, model, fmt, tokenizer_name, is_path) -> dict:
+    import tinker
+
     try:
         future = (service.create_sampling_client(model_path=model) if is_path
                   else service.create_sampling_client(base_model=model))

@@ -23,20 +23,25 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 ids = tok.encode(sys.argv[3])[:32]
 datum = tinker.Datum(model_input=tinker.ModelInput.from_ints(ids[:-1]),
                      loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)})
-tc = tinker.ServiceClient().create_lora_training_client(base_model=sys.argv[2], rank=8, seed=0).result()
-for _ in range(4):
-    fb = tc.forward_backward([datum], "cross_entropy")
-    opt = tc.optim_step(tinker.AdamParams(learning_rate=5e-2))
-    fb.result(); opt.result()
-state = tc.save_state("final").result().path
-sampler = tc.save_weights_for_sampler("final").result().path
-print(json.dumps({"state_path": state, "sampler_path": sampler, "model_id": tc.model_id}))
+with tinker.ServiceClient() as service:
+    tc = service.create_lora_training_client(base_model=sys.argv[2], rank=8, seed=0).result()
+    for _ in range(4):
+        fb = tc.forward_backward([datum], "cross_entropy")
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=5e-2))
+        fb.result(); opt.result()
+    state = tc.save_state("final").result().path
+    sampler = tc.save_weights_for_sampler("final").result().path
+    print(json.dumps({"state_path": state, "sampler_path": sampler, "model_id": tc.model_id}), flush=True)
+    # The local backend samples a checkpoint only while its training model is loaded: keep the
+    # session alive (heartbeats) until the tests close stdin.
+    sys.stdin.read()
 """
 
 LOGPROBS = r"""
 import json, sys, tinker
-sc = tinker.ServiceClient().create_sampling_client(model_path=sys.argv[1]).result()
-print(json.dumps(sc.compute_logprobs(tinker.ModelInput.from_ints(json.loads(sys.argv[2]))).result()))
+with tinker.ServiceClient() as service:
+    sc = service.create_sampling_client(model_path=sys.argv[1]).result()
+    print(json.dumps(sc.compute_logprobs(tinker.ModelInput.from_ints(json.loads(sys.argv[2]))).result()))
 """
 
 
@@ -58,7 +63,16 @@ def infer(local_tinker, *args, timeout=600):
 @pytest.fixture(scope="module")
 def trained(local_tinker):
     """One LoRA run trained 4 steps on the local backend with the raw SDK: both checkpoint kinds."""
-    return python(local_tinker, TRAIN, str(local_tinker.tokenizer_dir), local_tinker.model, TRAIN_TEXT)
+    proc = subprocess.Popen([sys.executable, "-c", TRAIN, str(local_tinker.tokenizer_dir), local_tinker.model,
+                             TRAIN_TEXT], env={**os.environ, **local_tinker.env}, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(timeout=60)
+        pytest.fail(f"training on the local backend failed: {proc.stderr.read()[-3000:]}")
+    yield json.loads(line)
+    proc.stdin.close()
+    proc.wait(timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +224,9 @@ def test_merged_model_matches_the_servers_logprobs(local_tinker, trained, export
     assert code == 0, result
     ids = tokenizer.encode("The quick brown fox jumps over the lazy cat, and then it sleeps.")
     server = python(local_tinker, LOGPROBS, trained["sampler_path"], json.dumps(ids))
-    assert server[0] is None and len(server) == len(ids)
+    # Tinker returns one entry per prompt token with None first; SkyRL 0.4.0 omits that None.
+    server = server[1:] if len(server) == len(ids) else server
+    assert len(server) == len(ids) - 1 and None not in server
 
     def local_logprobs(model_dir):
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -220,8 +236,8 @@ def test_merged_model_matches_the_servers_logprobs(local_tinker, trained, export
         return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
     merged = local_logprobs(merged_dir)
-    max_diff = max(abs(a - b) for a, b in zip(merged, server[1:]))
-    base_diff = max(abs(a - b) for a, b in zip(local_logprobs(local_tinker.tokenizer_dir), server[1:]))
+    max_diff = max(abs(a - b) for a, b in zip(merged, server))
+    base_diff = max(abs(a - b) for a, b in zip(local_logprobs(local_tinker.tokenizer_dir), server))
     print(f"\nmerge: max |merged - server| logprob = {max_diff:.3e} over {len(ids) - 1} tokens; "
           f"base model vs server = {base_diff:.3e}")
     assert max_diff < 1e-2
