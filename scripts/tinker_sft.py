@@ -881,7 +881,7 @@ def probe_prompts(examples, tokenizer, fmt, n):
         if "messages" in ex:
             msgs = ex["messages"]
             last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            tokens = generation_prompt(msgs[:last], tokenizer, fmt)
+            tokens = generation_prompt(msgs[:last], tokenizer, fmt, tools=ex.get("tools"))
             expected = msgs[last]["content"]
             text = msgs[last - 1]["content"]
         else:

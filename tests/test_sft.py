@@ -342,6 +342,14 @@ def test_existing_run_is_refused_without_resume_or_overwrite(tmp_path, qwen3_pat
     assert resumed.returncode == 2 and "no checkpoint" in resumed.stderr
 
 
+def test_a_sampler_path_given_to_init_from_exits_2_before_any_work(tmp_path):
+    out = run("--data", str(EXAMPLE), "--init-from", "tinker://r:train:0/sampler_weights/final",
+              "--log-path", str(tmp_path / "log"))
+    assert out.returncode == 2 and out.stdout == ""
+    assert "cannot seed a training client; give the weights/ path" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
 def test_resume_reads_the_last_saved_row_and_ignores_a_torn_line(tmp_path):
     log = tmp_path / "log"
     log.mkdir()
