@@ -685,7 +685,12 @@ def cmd_list(args) -> dict:
             except tinker.NotFoundError:
                 # Servers without the account-wide listing (the local backend): walk the runs.
                 runs = rest.list_training_runs(limit=100).result().training_runs
-                checkpoints = [c for r in runs for c in rest.list_checkpoints(r.training_run_id).result().checkpoints]
+                checkpoints = []
+                for r in runs:
+                    try:
+                        checkpoints += rest.list_checkpoints(r.training_run_id).result().checkpoints
+                    except tinker.APIStatusError as e:  # skyrl rejects ids with ':' (restored runs)
+                        log(f"warning: skipped run {r.training_run_id}: {str(e).splitlines()[0][:120]}")
     except Fail:
         raise
     except Exception as e:
@@ -699,7 +704,9 @@ def cmd_list(args) -> dict:
         for r in rows:
             size = f"{r['size_bytes'] / 1e6:.1f} MB" if r["size_bytes"] else "-"
             table.add_row(r["path"], r["type"], size, (r["time"] or "-")[:19], (r["expires_at"] or "never")[:19])
-        Console(stderr=True).print(table)
+        # Paths are what people copy: never cut them to the terminal's width.
+        width = max([len(r["path"]) for r in rows] + [4]) + 70
+        Console(stderr=True, width=max(width, shutil.get_terminal_size().columns)).print(table)
     return {"status": "ok", "checkpoints": rows}
 
 
@@ -874,7 +881,12 @@ def export_state_with_cli(path: str, out: Path) -> dict:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            raise Fail(EXIT_FAILURE, f"`tinker checkpoint download {path}` failed: {last}")
+            run = parse_tinker_path(path)[0]
+            samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
+            hint = (f"; if this server has no external-weights export (the local backend has none), export "
+                    f"the run's sampler checkpoint: tinker_infer.py checkpoints export {samplers[0]} --out {out}"
+                    if samplers else "")
+            raise Fail(EXIT_FAILURE, f"`tinker checkpoint download {path}` failed: {last}{hint}")
         folders = [p for p in Path(tmp).iterdir() if p.is_dir()]
         if len(folders) != 1:
             raise Fail(EXIT_FAILURE, f"`tinker checkpoint download` left {len(folders)} folders; expected one")
