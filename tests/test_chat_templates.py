@@ -17,11 +17,12 @@ import pytest
 import tinker_sft as sft
 
 CHAT_FAMILIES = ["Qwen3-8B", "Qwen3.5-4B", "Llama-3.1-8B-Instruct", "DeepSeek-V3.1", "gpt-oss-20b",
-                 "Kimi-K2-Thinking"]
+                 "Kimi-K2-Thinking", "Nemotron-3-Nano-30B-A3B"]
 
 END_OF_TURN = {
     "Qwen3-8B": "<|im_end|>", "Qwen3.5-4B": "<|im_end|>", "Llama-3.1-8B-Instruct": "<|eot_id|>",
     "DeepSeek-V3.1": "<｜end▁of▁sentence｜>", "gpt-oss-20b": "<|return|>", "Kimi-K2-Thinking": "<|im_end|>",
+    "Nemotron-3-Nano-30B-A3B": "<|im_end|>",
 }
 STOPS = {**{k: [v] for k, v in END_OF_TURN.items()}, "gpt-oss-20b": ["<|return|>", "<|call|>"]}
 
@@ -38,7 +39,8 @@ def trained_answer(name: str, answer: str) -> str:
 # Qwen3/Qwen3.5 give the last turn an empty think block that history turns lack; gpt-oss ends the
 # last turn with <|return|> and history turns with <|end|>.
 MERGES_TURNS = {"Qwen3-8B": False, "Qwen3.5-4B": False, "Llama-3.1-8B-Instruct": True,
-                "DeepSeek-V3.1": True, "gpt-oss-20b": False, "Kimi-K2-Thinking": True}
+                "DeepSeek-V3.1": True, "gpt-oss-20b": False, "Kimi-K2-Thinking": True,
+                "Nemotron-3-Nano-30B-A3B": True}
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 SINGLE = [SYSTEM, {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
@@ -172,6 +174,7 @@ TRAINED_REASONING = {  # what a message with reasoning_content trains, after its
     "Qwen3.5-4B": "Add two and two.\n</think>\n\n4<|im_end|>",  # the prompt supplies "<think>\n"
     "gpt-oss-20b": "<|channel|>analysis<|message|>Add two and two.<|end|>"
                    "<|start|>assistant<|channel|>final<|message|>4<|return|>",
+    "Nemotron-3-Nano-30B-A3B": "Add two and two.\n</think>\n4<|im_end|>",  # the prompt supplies "<think>\n"
 }
 
 
@@ -182,10 +185,11 @@ def test_reasoning_content_is_trained_with_the_answer(chat_family, name):
     assert weighted_text(tok, r) == [TRAINED_REASONING[name]]
     prompt = tok.decode(sft.generation_prompt(REASONING[:1], tok, fmt, thinking=True))
     assert prompt.endswith({"Qwen3-8B": "<|im_start|>assistant\n", "Qwen3.5-4B": "<|im_start|>assistant\n<think>\n",
-                            "gpt-oss-20b": "<|start|>assistant"}[name])
+                            "gpt-oss-20b": "<|start|>assistant",
+                            "Nemotron-3-Nano-30B-A3B": "<|im_start|>assistant\n<think>\n"}[name])
 
 
-@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3.5-4B", "gpt-oss-20b"])
+@pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3.5-4B", "gpt-oss-20b", "Nemotron-3-Nano-30B-A3B"])
 def test_history_reasoning_is_dropped_so_each_turn_is_its_own_datum(chat_family, name):
     tok, fmt = chat_family(name)
     first, second = sft.render_example({"messages": REASONING}, tok, fmt, train_on="all-assistant")

@@ -14,10 +14,10 @@ from assets import build_tokenizers as bt
 
 VOCAB_SIZES = {"Qwen3-8B": 151669, "Qwen3-8B-Base": 151669, "Qwen3.5-4B": 248077,
                "Llama-3.1-8B-Instruct": 128256, "DeepSeek-V3.1": 128815, "gpt-oss-20b": 201088,
-               "Kimi-K2-Thinking": 163840}
+               "Kimi-K2-Thinking": 163840, "Nemotron-3-Nano-30B-A3B": 131072}
 EOS = {"Qwen3-8B": "<|im_end|>", "Qwen3-8B-Base": "<|endoftext|>", "Qwen3.5-4B": "<|im_end|>",
        "Llama-3.1-8B-Instruct": "<|eot_id|>", "DeepSeek-V3.1": "<｜end▁of▁sentence｜>",
-       "gpt-oss-20b": "<|return|>", "Kimi-K2-Thinking": "[EOS]"}
+       "gpt-oss-20b": "<|return|>", "Kimi-K2-Thinking": "[EOS]", "Nemotron-3-Nano-30B-A3B": "<|im_end|>"}
 
 
 @pytest.mark.parametrize("name", bt.NAMES)

@@ -17,12 +17,14 @@ ORACLE = {
     "DeepSeek-V3.1": lambda R: R.DeepSeekV31(),  # = cookbook "deepseekv3" (non-thinking)
     "gpt-oss-20b": lambda R: R.GptOss(current_date=sft.FROZEN_DATE),  # = "gpt_oss_medium_reasoning"
     "Kimi-K2-Thinking": lambda R: R.KimiK2(),  # = cookbook "kimi_k2"
+    "Nemotron-3-Nano-30B-A3B": lambda R: R.Nemotron3.disable_thinking(),  # = "nemotron3_disable_thinking"
 }
 # With thinking on (a message carrying reasoning_content).
 THINKING_ORACLE = {
     "Qwen3-8B": lambda R: R.Qwen3(),
     "Qwen3.5-4B": lambda R: R.Qwen35(),
     "gpt-oss-20b": lambda R: R.GptOss(current_date=sft.FROZEN_DATE),
+    "Nemotron-3-Nano-30B-A3B": lambda R: R.Nemotron3(),
 }
 
 
@@ -72,6 +74,11 @@ def test_multi_turn_equals_tinker_renderer(chat_family, tml_renderers, name):
     theirs = tml_sft(tml_renderers, ORACLE[name](tml_renderers.renderers), MULTI)
     if name == "Kimi-K2-Thinking":  # tml's KimiK2 trains the last turn only
         assert theirs == sft.render_example({"messages": MULTI}, tok, fmt, train_on="last-assistant")
+    elif name == "Nemotron-3-Nano-30B-A3B":  # tml: one datum per turn; the HF template extends, we merge
+        assert theirs[-1:] == sft.render_example({"messages": MULTI}, tok, fmt, train_on="last-assistant")
+        merged = one(sft.render_example({"messages": MULTI}, tok, fmt, train_on="all-assistant"))
+        assert merged.tokens == theirs[-1].tokens
+        assert weighted_text(tok, merged) == [weighted_text(tok, r)[0] for r in theirs]
     else:
         assert theirs == sft.render_example({"messages": MULTI}, tok, fmt, train_on="all-assistant")
 

