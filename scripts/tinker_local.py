@@ -3,7 +3,7 @@
 
 **Run:**
     python scripts/tinker_local.py setup                       # once: ~2-3 min, ~2 GB (idempotent)
-    python scripts/tinker_local.py run -- python scripts/tinker_sft.py --max-steps 2
+    python scripts/tinker_local.py run -- python scripts/tinker_sft.py --data templates/sft_example.jsonl --max-steps 2
     python scripts/tinker_local.py serve --port 8765           # foreground; Ctrl-C stops it
 
 **What it is:** the real `tinker` SDK talks over HTTP to SkyRL 0.4.0's Tinker API server
