@@ -2,7 +2,8 @@
 
 `offline_tokenizer("Qwen3-8B")` returns the path of a folder that
 `AutoTokenizer.from_pretrained(path)` loads with HF_HUB_OFFLINE=1. Names: Qwen3-8B, Qwen3-8B-Base,
-Qwen3.5-4B, Llama-3.1-8B-Instruct, DeepSeek-V3.1, gpt-oss-20b, Kimi-K2-Thinking. The first use
+Qwen3.5-4B, Llama-3.1-8B-Instruct, DeepSeek-V3.1, gpt-oss-20b, Kimi-K2-Thinking,
+Nemotron-3-Nano-30B-A3B. The first use
 builds and verifies the folder (tests/assets/build_tokenizers.py) into
 ~/.cache/tinker-training-inference/ (or $TINKER_TEST_ASSETS); later runs reuse it.
 
