@@ -174,3 +174,22 @@ def test_examples_with_tools_are_validated(chat_family):
     tok, fmt = chat_family("Qwen3-8B")
     with pytest.raises(sft.RenderError, match="not JSON"):
         sft.render_example(sft.validate_example({"messages": bad_json}, 5), tok, fmt)
+
+
+def test_rl_calculator_reads_a_call_sampled_in_the_qwen3_template(chat_family):
+    """tinker_rl.py's multi-turn example parses the call the Qwen3 template teaches."""
+    import random
+
+    import tinker_rl
+
+    tok, fmt = chat_family("Qwen3-8B")
+    call = [{"role": "user", "content": "What is 2*3?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "calculator", "arguments": {"expression": "2*3"}}}]}]
+    r = one(sft.render_example({"messages": call}, tok, fmt))
+    sampled = [t for t, w in zip(r.tokens, r.weights) if w]
+    turn = tinker_rl.completion_text(tok, fmt, sampled)
+    assert parse_qwen3_tool_calls(turn) == [{"name": "calculator", "arguments": {"expression": "2*3"}}]
+    observation, reward, done, info = tinker_rl.calculator_env_step({}, call[:1], turn, random.Random(0))
+    assert observation == {"role": "tool", "content": "6"} and reward == 0.0 and not done
+    assert info == {"tool_calls": 1}
