@@ -287,6 +287,11 @@ def tinker_failure(e: Exception, what: str, model: str | None = None) -> Fail:
     if isinstance(e, tinker.APIConnectionError):
         return Fail(EXIT_NO_ACCESS, f"{what}: cannot reach {base} ({message}); next: check the network or TINKER_BASE_URL")
     lowered = message.lower()
+    if "not loaded" in lowered:
+        return Fail(EXIT_FAILURE, f"{what}: the server has unloaded the training model behind {model} ({message}); "
+                                  f"the local backend (SkyRL) serves a sampler checkpoint only while its training "
+                                  f"client is alive, hosted Tinker has no such limit; next: sample inside the "
+                                  f"training session, or rehearse with a live run")
     if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
         hint = "tinker_infer.py checkpoints list"
         parsed = parse_tinker_path(model) if model and model.startswith("tinker://") else None
@@ -401,6 +406,12 @@ def estimate_usd(model: str, prompt_tokens: int, completion_tokens: int) -> floa
 
 # ==== SDK route ====
 def load_tokenizer(name_or_path: str | None, sampling_client):
+    if name_or_path and name_or_path.startswith((".", "/")) and not Path(name_or_path).is_dir():
+        # A run recorded a folder relative to where it ran; the base model's tokenizer is next best,
+        # and check_template() warns if its template is not the run's.
+        log(f"warning: tokenizer folder {name_or_path} not found from here; using the base model's tokenizer "
+            f"(pass --tokenizer DIR to choose)")
+        name_or_path = None
     try:
         if name_or_path:
             from transformers import AutoTokenizer

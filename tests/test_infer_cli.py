@@ -243,3 +243,37 @@ def test_raw_format_renders_messages_as_role_colon_text_after_bos():
     ids = tinker_infer.render_prompt({"messages": messages}, {"kind": "raw", "bos": True}, Tok())
     assert ids == [1] + [ord(c) for c in "User: 2+2?\n\nAssistant:"]
     assert tinker_infer.render_prompt({"prompt": "ab"}, {"kind": "raw", "bos": False}, Tok()) == [97, 98]
+
+
+# ---- the format contract: tinker_infer renders exactly the prompt tinker_sft trained on ----
+FAMILIES = ["Qwen3-8B", "Llama-3.1-8B-Instruct", "DeepSeek-V3.1", "gpt-oss-20b", "Kimi-K2-Thinking"]
+CONVERSATION = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"},
+                {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_prompt_matches_the_sft_scripts_generation_prompt(chat_family, family):
+    import tinker_sft
+
+    tokenizer, fmt = chat_family(family)
+    fmt = json.loads(json.dumps(fmt))  # exactly what checkpoints.jsonl carries
+    expected = tinker_sft.generation_prompt(CONVERSATION, tokenizer, fmt)
+    assert tinker_infer.render_prompt({"messages": CONVERSATION}, fmt, tokenizer) == expected
+    assert tinker_infer.format_stop_ids(fmt, tokenizer) == sorted(fmt["stop"])
+
+
+def test_frozen_gpt_oss_date_is_the_recorded_one(chat_family):
+    tokenizer, fmt = chat_family("gpt-oss-20b")
+    fmt = json.loads(json.dumps(fmt))
+    text = tokenizer.decode(tinker_infer.render_prompt({"prompt": "hi"}, fmt, tokenizer))
+    assert f"Current date: {fmt['template_kwargs']['strftime_now']}" in text
+
+
+def test_raw_prompt_matches_the_sft_scripts_generation_prompt(offline_tokenizer):
+    import tinker_sft
+
+    tokenizer = tinker_sft.load_tokenizer(offline_tokenizer("Qwen3-8B-Base"))
+    fmt = json.loads(json.dumps(tinker_sft.raw_format(tokenizer, name="Qwen3-8B-Base")))
+    for row in ({"prompt": "Once upon a time"}, {"messages": CONVERSATION}):
+        expected = tinker_sft.generation_prompt(row.get("messages") or row["prompt"], tokenizer, fmt)
+        assert tinker_infer.render_prompt(row, fmt, tokenizer) == expected
