@@ -251,3 +251,24 @@ def test_doc_examples_match_the_renderer(chat_family, name):
     found = pattern.search(text)
     assert found, f"references/chat-templates.md has no rendered example for {name}"
     assert found.group(0) == block, "rerun with UPDATE_CHAT_TEMPLATE_DOC=1 after a deliberate change"
+
+
+# ------------------------------------------------------------------ the other scripts agree
+
+
+@pytest.mark.parametrize("name", CHAT_FAMILIES)
+def test_rl_and_infer_scripts_prompt_and_stop_like_the_sft_renderer(chat_family, name):
+    """What tinker_rl.py samples from and tinker_infer.py sends (with a run's format record) is the
+    prompt the SFT datum was trained after, and both stop on the same end-of-turn tokens."""
+    import tinker_infer
+    import tinker_rl
+
+    tok, fmt = chat_family(name)
+    prompt = sft.generation_prompt(SINGLE[:-1], tok, fmt)
+    rl_fmt = tinker_rl.chat_format(tok, name)
+    assert rl_fmt["stop"] == fmt["stop"]
+    assert tinker_rl.render_tokens(tok, rl_fmt, SINGLE[:-1]) == prompt
+    assert tinker_infer.render_prompt({"messages": SINGLE[:-1]}, fmt, tok) == prompt
+    assert tinker_infer.format_stop_ids(fmt, tok) == fmt["stop"]
+    no_record = tinker_infer.format_stop_ids({"kind": "chat"}, tok)  # sampling a base model by name
+    assert set(fmt["stop"]) <= set(no_record), f"tinker_infer would not stop on {name}'s end of turn"
