@@ -119,7 +119,54 @@ QWEN35_ADDED = QWEN3_ADDED + [
 # Known ids, encode(text, add_special_tokens=False). Sources: tml-renderers 0.2.1 encode_ordinary
 # (Qwen3, Qwen3.5, DeepSeek V3.1, Kimi, Nemotron 3), tiktoken 0.14 o200k_harmony (gpt-oss), Meta's
 # tokenizer.model through tiktoken (Llama); the special-token lines are the published ids.
-KNOWN_IDS: dict[str, list[tuple[str, list[int]]]] = {}  # filled below the functions
+_QWEN3_IDS = [
+    ("Hello world", [9707, 1879]),
+    ("What is 2+2?", [3838, 374, 220, 17, 10, 17, 30]),
+    (" 1234567890", [220, 16, 17, 18, 19, 20, 21, 22, 23, 24, 15]),
+    ("<|im_start|>assistant\n<think>", [151644, 77091, 198, 151667]),
+    ("</think><|im_end|><|endoftext|>", [151668, 151645, 151643]),
+]
+KNOWN_IDS: dict[str, list[tuple[str, list[int]]]] = {
+    "Qwen3-8B": _QWEN3_IDS,
+    "Qwen3-8B-Base": _QWEN3_IDS,
+    "Qwen3.5-4B": [
+        ("Hello world", [9419, 1814]),
+        ("What is 2+2?", [3710, 369, 220, 17, 10, 17, 30]),
+        ("<|im_end|><think></think>", [248046, 248068, 248069]),
+    ],
+    "Llama-3.1-8B-Instruct": [
+        ("Hello world", [9906, 1917]),
+        ("What is 2+2?", [3923, 374, 220, 17, 10, 17, 30]),
+        (" 1234567890", [220, 4513, 10961, 16474, 15]),
+        ("<|start_header_id|><|end_header_id|><|eot_id|>", [128006, 128007, 128009]),
+    ],
+    "DeepSeek-V3.1": [
+        ("Hello world", [19923, 2058]),
+        ("What is 2+2?", [3085, 344, 223, 20, 13, 20, 33]),
+        (" 1234567890", [223, 6895, 18009, 25744, 18]),
+        ("<｜end▁of▁sentence｜><｜search▁begin｜><｜search▁end｜><think></think>",
+         [1, 128796, 128797, 128798, 128799]),
+    ],
+    "gpt-oss-20b": [
+        ("Hello world", [13225, 2375]),
+        ("What is 2+2?", [4827, 382, 220, 17, 10, 17, 30]),
+        (" 1234567890", [220, 7633, 19354, 29338, 15]),
+        ("<|start|><|channel|><|message|><|return|><|call|><|end|><|endofprompt|>",
+         [200006, 200005, 200008, 200002, 200012, 200007, 200018]),
+    ],
+    "Kimi-K2-Thinking": [
+        ("Hello world", [19180, 2695]),
+        ("hello world", [22931, 2695]),
+        ("What is 2+2?", [5376, 387, 220, 17, 10, 17, 30]),
+        ("<|im_end|><|im_middle|><think></think>", [163586, 163601, 163606, 163607]),
+    ],
+    "Nemotron-3-Nano-30B-A3B": [
+        ("Hello world", [22177, 4304]),
+        ("What is 2+2?", [7493, 1395, 1032, 1050, 1043, 1050, 1063]),
+        (" 1234567890", [1032, 1049, 1050, 1051, 1052, 1053, 1054, 1055, 1056, 1057, 1048]),
+        ("<s><|im_start|><|im_end|><think></think>", [1, 10, 11, 12, 13]),
+    ],
+}
 
 # ---------------------------------------------------------------- cache, download, unpack
 
@@ -235,8 +282,7 @@ def tokenizer_from_ranks(ranks: dict[bytes, int], pattern: str, added: list[tupl
     halves are both tokens, ordered as tiktoken would merge them. `ignore_merges` makes a
     pre-token that is itself in the vocabulary one token, as tiktoken does.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, \
-        pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     enc = bytes_to_unicode()
 
@@ -608,55 +654,6 @@ def main(argv: list[str] | None = None) -> int:
                       "seconds": round(time.time() - started, 1)}))
     return 0
 
-
-_QWEN3_IDS = [
-    ("Hello world", [9707, 1879]),
-    ("What is 2+2?", [3838, 374, 220, 17, 10, 17, 30]),
-    (" 1234567890", [220, 16, 17, 18, 19, 20, 21, 22, 23, 24, 15]),
-    ("<|im_start|>assistant\n<think>", [151644, 77091, 198, 151667]),
-    ("</think><|im_end|><|endoftext|>", [151668, 151645, 151643]),
-]
-KNOWN_IDS.update({
-    "Qwen3-8B": _QWEN3_IDS,
-    "Qwen3-8B-Base": _QWEN3_IDS,
-    "Qwen3.5-4B": [
-        ("Hello world", [9419, 1814]),
-        ("What is 2+2?", [3710, 369, 220, 17, 10, 17, 30]),
-        ("<|im_end|><think></think>", [248046, 248068, 248069]),
-    ],
-    "Llama-3.1-8B-Instruct": [
-        ("Hello world", [9906, 1917]),
-        ("What is 2+2?", [3923, 374, 220, 17, 10, 17, 30]),
-        (" 1234567890", [220, 4513, 10961, 16474, 15]),
-        ("<|start_header_id|><|end_header_id|><|eot_id|>", [128006, 128007, 128009]),
-    ],
-    "DeepSeek-V3.1": [
-        ("Hello world", [19923, 2058]),
-        ("What is 2+2?", [3085, 344, 223, 20, 13, 20, 33]),
-        (" 1234567890", [223, 6895, 18009, 25744, 18]),
-        ("<｜end▁of▁sentence｜><｜search▁begin｜><｜search▁end｜><think></think>",
-         [1, 128796, 128797, 128798, 128799]),
-    ],
-    "gpt-oss-20b": [
-        ("Hello world", [13225, 2375]),
-        ("What is 2+2?", [4827, 382, 220, 17, 10, 17, 30]),
-        (" 1234567890", [220, 7633, 19354, 29338, 15]),
-        ("<|start|><|channel|><|message|><|return|><|call|><|end|><|endofprompt|>",
-         [200006, 200005, 200008, 200002, 200012, 200007, 200018]),
-    ],
-    "Kimi-K2-Thinking": [
-        ("Hello world", [19180, 2695]),
-        ("hello world", [22931, 2695]),
-        ("What is 2+2?", [5376, 387, 220, 17, 10, 17, 30]),
-        ("<|im_end|><|im_middle|><think></think>", [163586, 163601, 163606, 163607]),
-    ],
-    "Nemotron-3-Nano-30B-A3B": [
-        ("Hello world", [22177, 4304]),
-        ("What is 2+2?", [7493, 1395, 1032, 1050, 1043, 1050, 1063]),
-        (" 1234567890", [1032, 1049, 1050, 1051, 1052, 1053, 1054, 1055, 1056, 1057, 1048]),
-        ("<s><|im_start|><|im_end|><think></think>", [1, 10, 11, 12, 13]),
-    ],
-})
 
 if __name__ == "__main__":
     sys.exit(main())
