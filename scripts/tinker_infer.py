@@ -232,12 +232,20 @@ def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
     return parts[0], parts[1], parts[2]
 
 
+def rest_client():
+    """RestClient for the current environment. Passed explicitly because RestClient() with no
+    arguments reuses the first one made in the process, whatever TINKER_BASE_URL says now."""
+    import tinker
+    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
+                             api_key=os.environ.get("TINKER_API_KEY") or None)
+
+
 def run_checkpoints(run_id: str) -> list:
     """The server's checkpoints of one run, newest first ([] if it cannot list them)."""
     import tinker
     try:
         # Only a hint: never wait long for it (the SDK retries a dead server for minutes).
-        listing = tinker.RestClient().list_checkpoints(run_id).result(timeout=20)
+        listing = rest_client().list_checkpoints(run_id).result(timeout=20)
     except Exception:
         return []
     return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
@@ -309,7 +317,7 @@ def check_model_served(model: str) -> None:
     """A base model name must be one the server samples; list close names if not."""
     import tinker
     try:
-        caps = tinker.RestClient().get_server_capabilities().result(timeout=60)
+        caps = rest_client().get_server_capabilities().result(timeout=60)
     except TimeoutError:
         base = os.environ.get("TINKER_BASE_URL") or "the hosted Tinker service"
         raise Fail(EXIT_NO_ACCESS, f"no answer from {base} within 60 s; next: check the network or TINKER_BASE_URL")
@@ -686,7 +694,7 @@ def run_id_of(arg: str) -> str:
 def cmd_list(args) -> dict:
     import tinker
     require_credentials()
-    rest = tinker.RestClient()
+    rest = rest_client()
     try:
         if args.run:
             checkpoints = list(rest.list_checkpoints(run_id_of(args.run)).result().checkpoints)
@@ -733,7 +741,7 @@ def cmd_resolve(args) -> dict:
         wanted = "sampler" if args.kind == "sampler" else "training"
         import tinker
         try:
-            checkpoints = tinker.RestClient().list_checkpoints(run).result().checkpoints
+            checkpoints = rest_client().list_checkpoints(run).result().checkpoints
         except Exception as e:
             raise tinker_failure(e, f"listing the checkpoints of run {run}")
         found = sorted((c for c in checkpoints if c.checkpoint_type == wanted), key=lambda c: c.time, reverse=True)
@@ -865,7 +873,7 @@ def export_sampler_archive(path: str, out: Path, key: str) -> dict:
 def export_external(path: str, out: Path) -> dict:
     import tinker
     try:
-        signed = tinker.RestClient().get_external_weights_urls(path).result()
+        signed = rest_client().get_external_weights_urls(path).result()
     except Exception as e:
         raise tinker_failure(e, f"signing the download URLs of {path}", path)
     total, files = 0, []

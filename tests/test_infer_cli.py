@@ -26,11 +26,7 @@ def api_key(monkeypatch):
 
 @pytest.fixture(scope="module")
 def rest_base_url():
-    """Just enough of Tinker's REST API for RestClient.list_checkpoints (SDK 0.38).
-
-    One server for the module: the SDK keeps one RestClient per process, and a second
-    base URL in the same process stalls (a script only ever talks to one server).
-    """
+    """Just enough of Tinker's REST API for RestClient.list_checkpoints (SDK 0.38)."""
     checkpoints = [
         {"checkpoint_id": "weights/final", "checkpoint_type": "training", "time": "2026-12-01T10:00:00Z",
          "tinker_path": STATE, "size_bytes": 1000},
