@@ -56,6 +56,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -180,8 +181,23 @@ def _load_state(path: Path) -> dict:
         return {}
 
 
+@contextlib.contextmanager
+def _locked(home: Path):
+    """One setup (or cache seeding) at a time per cache folder: parallel test runs share it."""
+    import fcntl
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "setup.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def setup(venv: Path, home: Path, python: str | None = None, model: str = DEFAULT_MODEL) -> dict:
     """Install the server venv, build the tiny model, seed the HF cache. Skips finished steps."""
+    with _locked(home):
+        return _setup(venv, home, python, model)
+
+
+def _setup(venv: Path, home: Path, python: str | None, model: str) -> dict:
     started = time.monotonic()
     logs = home / "logs"
     state_file = venv / "tinker-local-setup.json"
@@ -358,12 +374,25 @@ def _group_alive(pgid: int) -> bool:
     return not Path("/proc").exists()
 
 
+def _run_in_use(run_dir: Path) -> bool:
+    """A server may still be using this folder: never prune it from under a live server."""
+    try:
+        pid = json.loads((run_dir / "server.json").read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return time.time() - run_dir.stat().st_mtime < 3600  # starting, or crashed recently
+    try:
+        return str(run_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
 def _new_run_dir(home: Path) -> Path:
     runs = home / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     old = sorted((p for p in runs.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
     for stale in old[:max(0, len(old) - KEEP_RUNS + 1)]:
-        shutil.rmtree(stale, ignore_errors=True)
+        if not _run_in_use(stale):
+            shutil.rmtree(stale, ignore_errors=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = runs / f"{stamp}-{os.getpid()}-{os.urandom(2).hex()}"
     run_dir.mkdir()
@@ -398,7 +427,8 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
     listener.listen(128)
     port = listener.getsockname()[1]
     base_url = f"http://127.0.0.1:{port}"
-    seed_hf_cache(home, model)
+    with _locked(home):
+        seed_hf_cache(home, model)
     backend_config = {"max_lora_adapters": max_lora_adapters, "max_lora_rank": max_lora_rank}
     cmd = [str(venv_python(venv)), str(Path(__file__).resolve()), "_server", "api",
            "--listen-fd", str(listener.fileno()),
@@ -473,7 +503,7 @@ def cmd_serve(args) -> int:
                                   "pid": server.proc.pid, "model": server.model}), flush=True)
             else:
                 for key, value in server.env.items():
-                    print(f"export {key}={value}", flush=True)
+                    print(f"export {key}={shlex.quote(value)}", flush=True)
             code = server.proc.wait()
             raise LocalError(f"the server stopped by itself (exit {code}); log: {server.log}")
         finally:
@@ -484,6 +514,8 @@ def cmd_run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise UsageError("run needs a command: tinker_local.py run -- python my_script.py")
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"command not found: {command[0]!r} (checked before starting the server)")
     say(BANNER.format(model=args.model))
     with _terminate_raises():
         server = start_server(args.model, args.port, venv=args.venv, home=args.home,
@@ -492,7 +524,10 @@ def cmd_run(args) -> int:
                               max_lora_rank=args.max_lora_rank)
         try:
             say(f"ready in {server.ready_seconds:.1f} s at {server.base_url}; log: {server.log}")
-            child = subprocess.Popen(command, env={**os.environ, **server.env})
+            try:
+                child = subprocess.Popen(command, env={**os.environ, **server.env})
+            except OSError as exc:
+                raise UsageError(f"cannot run {command[0]!r}: {exc.strerror}") from None
             try:
                 code = child.wait()
             except KeyboardInterrupt:

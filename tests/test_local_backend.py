@@ -308,6 +308,13 @@ def test_run_without_a_command_is_a_usage_error():
     assert "run needs a command" in done.stderr
 
 
+def test_run_with_a_missing_command_fails_before_starting_a_server(tmp_path):
+    done = tinker_local_cli("run", "--run-dir", str(tmp_path), "--", "no-such-command-xyz", timeout=30)
+    assert done.returncode == 2
+    assert "command not found: 'no-such-command-xyz'" in done.stderr
+    assert not (tmp_path / "server.log").exists()
+
+
 @pytest.mark.e2e
 def test_serve_on_a_taken_port_fails_in_one_line_naming_the_log(installed, tmp_path):
     venv, home = installed
