@@ -1,9 +1,10 @@
 """Tool calls through the real chat templates: rendered, masked (the call is learned, the result is
 not) and parsed back from sampled tokens, as multi-turn RL needs (issue 7, item 4).
 
-parse_qwen3_tool_calls and parse_harmony_tool_calls are small and standalone on purpose:
-scripts/tinker_rl.py copies the Qwen3 one (its multi-turn example parses <tool_call>{json}</tool_call>).
-Both are checked against Thinking Machines' own parser (tml-renderers) on the same tokens.
+parse_qwen3_tool_calls, parse_xml_tool_calls (Qwen3.5/3.6, Nemotron 3) and parse_harmony_tool_calls
+(gpt-oss) are small and standalone on purpose: RL code copies the one its model needs
+(scripts/tinker_rl.py's multi-turn example parses Qwen3's <tool_call>{json}</tool_call>).
+Each is checked against Thinking Machines' own parser (tml-renderers) on the same tokens.
 """
 from __future__ import annotations
 
@@ -57,6 +58,36 @@ def parse_harmony_tool_calls(text: str) -> list[dict]:
     return calls
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def parse_xml_tool_calls(text: str) -> list[dict]:
+    """Tool calls in a decoded Qwen3.5/3.6 or Nemotron 3 completion, [{"name", "arguments"}, ...].
+
+    Those templates write <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n
+    </function>\n</tool_call>. A value that parses as JSON (numbers, objects, lists, true) is
+    taken as JSON, anything else as text: the same reading as Tinker's parser (so a string "3"
+    comes back as the number 3; the format cannot tell them apart).
+    """
+    bodies = _QWEN3_CALL.findall(text)
+    if text.count("<tool_call>") != len(bodies):
+        raise ValueError("unclosed <tool_call> (completion cut by max_tokens?)")
+    calls = []
+    for body in bodies:
+        function = _XML_FUNCTION.search(body)
+        if not function:
+            raise ValueError(f"<tool_call> without <function=NAME>: {body.strip()[:80]!r}")
+        arguments = {}
+        for key, value in _XML_PARAMETER.findall(function.group(2)):
+            try:
+                arguments[key] = json.loads(value)
+            except ValueError:
+                arguments[key] = value
+        calls.append({"name": function.group(1).strip(), "arguments": arguments})
+    return calls
+
+
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -80,7 +111,10 @@ TRAINED_CALL = {  # the weighted tokens of the tool-call turn
     "DeepSeek-V3.1": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
                      "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
 }
-PARSERS = {"Qwen3-8B": parse_qwen3_tool_calls, "gpt-oss-20b": parse_harmony_tool_calls}
+PARSERS = {"Qwen3-8B": parse_qwen3_tool_calls, "gpt-oss-20b": parse_harmony_tool_calls,
+           "Qwen3.5-4B": parse_xml_tool_calls, "Nemotron-3-Nano-30B-A3B": parse_xml_tool_calls}
+TML_RENDERER = {"Qwen3-8B": "Qwen3", "gpt-oss-20b": "GptOss", "Qwen3.5-4B": "Qwen35",
+                "Nemotron-3-Nano-30B-A3B": "Nemotron3"}
 
 
 def example():
@@ -112,18 +146,21 @@ def test_tool_call_parses_back_from_sampled_tokens(chat_family, name):
     assert PARSERS[name](tok.decode(sampled)) == EXPECTED_CALL
 
 
-@pytest.mark.parametrize("name, renderer", [("Qwen3-8B", "Qwen3"), ("gpt-oss-20b", "GptOss")])
-def test_parsers_agree_with_tinker_renderer_parser(chat_family, tml_renderers, name, renderer):
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_parsers_agree_with_tinker_renderer_parser(chat_family, tml_renderers, name):
     tok, fmt = chat_family(name)
-    r = one(sft.render_example({"messages": CALL[:2]}, tok, fmt))
+    messages = [CALL[0], dict(CALL[1], tool_calls=[{"type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "days": 3, "units": {"t": "C"}}}}])]
+    r = one(sft.render_example({"messages": messages}, tok, fmt))
     sampled = [t for t, w in zip(r.tokens, r.weights) if w]
-    cls = getattr(tml_renderers.renderers, renderer)
-    oracle = cls.disable_thinking() if renderer == "Qwen3" else cls(current_date=sft.FROZEN_DATE)
+    cls = getattr(tml_renderers.renderers, TML_RENDERER[name])
+    oracle = cls(current_date=sft.FROZEN_DATE) if name == "gpt-oss-20b" else cls.disable_thinking()
     _, parser = oracle.render_for_completion(tml_renderers.chat.OpenAIMessage.from_oss_messages(CALL[:1]))
     parsed = tml_renderers.chat.MessageList(parser.parse_tokens(sampled)).to_oss_messages()
     tml_calls = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}
                  for m in parsed for c in m.get("tool_calls", [])]
-    assert tml_calls == PARSERS[name](tok.decode(sampled)) == EXPECTED_CALL
+    assert tml_calls == PARSERS[name](tok.decode(sampled)) == [
+        {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "units": {"t": "C"}}}]
 
 
 def test_qwen3_parser_reads_several_calls_and_rejects_malformed_ones():
@@ -137,6 +174,17 @@ def test_qwen3_parser_reads_several_calls_and_rejects_malformed_ones():
         parse_qwen3_tool_calls("<tool_call>\nnot json\n</tool_call>")
     with pytest.raises(ValueError, match="without a name"):
         parse_qwen3_tool_calls('<tool_call>\n{"arguments": {}}\n</tool_call>')
+
+
+def test_xml_parser_reads_several_calls_and_rejects_malformed_ones():
+    text = ("<tool_call>\n<function=a>\n<parameter=x>\nline one\nline two\n</parameter>\n</function>\n"
+            "</tool_call>\n<tool_call>\n<function=b>\n</function>\n</tool_call>")
+    assert parse_xml_tool_calls(text) == [{"name": "a", "arguments": {"x": "line one\nline two"}},
+                                          {"name": "b", "arguments": {}}]
+    with pytest.raises(ValueError, match="unclosed"):
+        parse_xml_tool_calls("<tool_call>\n<function=a>\n<parameter=x>\n1")
+    with pytest.raises(ValueError, match="without <function=NAME>"):
+        parse_xml_tool_calls("<tool_call>\n{\"name\": \"a\"}\n</tool_call>")
 
 
 def test_harmony_parser_reads_a_call_after_reasoning_and_the_constrain_form():
