@@ -58,6 +58,7 @@ def test_verification_rejects_a_folder_with_the_wrong_vocabulary(offline_tokeniz
 
 
 def test_deepseek_template_patch_restores_the_hf_think_markers(offline_tokenizer):
+    offline_tokenizer("DeepSeek-V3.1")  # the sources are unpacked by the first build
     src = bt.cache_root() / "src"
     original = bt.template(src, "deepseek-ai-DeepSeek-V3.1.jinja")
     patched = bt.patch_deepseek_v31_template(original)
