@@ -222,6 +222,25 @@ def test_rest_client_lists_the_runs_checkpoints(local_tinker, sdk):
     assert training.model_id in {r.training_run_id for r in runs}
 
 
+@pytest.mark.e2e
+def test_forward_backward_custom_reports_the_client_side_loss(sdk):
+    """The SDK's custom loss reads the server's metrics["loss:sum"] (a shim adds it)."""
+    import torch
+    _, training, tokenizer = sdk
+    data = datums(tokenizer)
+    reference = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    def weighted_nll(batch, logprobs):
+        loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum()
+                   for d, lp in zip(batch, logprobs))
+        return loss, {"custom_nll:sum": float(loss.detach())}
+
+    out = training.forward_backward_custom(data, weighted_nll).result()
+    assert out.metrics["loss:sum"] == pytest.approx(reference, rel=1e-4)
+    assert out.metrics["custom_nll:sum"] == pytest.approx(reference, rel=1e-4)
+    assert "surrogate_loss:sum" in out.metrics
+
+
 # ---------------------------------------------------------------- the shims: present and needed
 
 
