@@ -397,7 +397,13 @@ def test_two_runs_at_once_use_separate_ports_and_folders_and_return_the_commands
             [sys.executable, str(SCRIPT), "run", "--venv", str(venv), "--home", str(home),
              "--run-dir", str(tmp_path / name), "--", sys.executable, "-c", CHILD, str(code)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = {name: proc.communicate(timeout=900) for name, proc in runs.items()}
+    try:
+        out = {name: proc.communicate(timeout=900) for name, proc in runs.items()}
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
     assert runs["a"].returncode == 0, out["a"][1]
     assert runs["b"].returncode == 7, out["b"][1]
     url_a, url_b = out["a"][0].split()[0], out["b"][0].split()[0]
@@ -416,13 +422,18 @@ def test_serve_leaves_no_process_when_stopped_or_killed(installed, tmp_path, sig
     serve = subprocess.Popen([sys.executable, str(SCRIPT), "serve", "--json", "--venv", str(venv),
                               "--home", str(home), "--run-dir", str(tmp_path)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = serve.stdout.readline()
-    assert line, serve.stderr.read()
-    info = json.loads(line)
-    assert info["env"]["TINKER_BASE_URL"] == info["base_url"]
-    assert len(processes_mentioning(str(tmp_path))) == 3  # serve, the API process, its engine
-    serve.send_signal(sig)
-    serve.wait(timeout=60)
+    try:
+        line = serve.stdout.readline()
+        assert line, serve.stderr.read()
+        info = json.loads(line)
+        assert info["env"]["TINKER_BASE_URL"] == info["base_url"]
+        assert len(processes_mentioning(str(tmp_path))) == 3  # serve, the API process, its engine
+        serve.send_signal(sig)
+        serve.wait(timeout=60)
+    finally:
+        if serve.poll() is None:  # a failed assertion must not leave a server behind
+            serve.terminate()
+            serve.wait(timeout=60)
     if sig == signal.SIGTERM:
         assert serve.returncode == 130
     assert wait_no_processes(str(tmp_path), timeout=30) == []
