@@ -300,6 +300,22 @@ def test_setup_when_done_skips_every_step(installed):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.e2e
+def test_tiny_model_build_is_byte_identical(installed, tmp_path):
+    import hashlib
+    venv, home = installed
+    installed_model = tinker_local.tiny_model_dir(home)
+    key = json.loads((installed_model / "tinker-local-model.json").read_text())["config"]
+    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SCRIPT), "_build_model",
+                           str(tmp_path / "tiny"), key], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert digest(tmp_path / "tiny" / name) == digest(installed_model / name), name
+    meta = json.loads((tmp_path / "tiny" / "tinker-local-model.json").read_text())
+    assert 9_700_000 < meta["params"] < 9_900_000
+
+
 def test_setup_with_a_broken_package_index_names_the_step_and_log_and_resumes(tmp_path):
     env = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": "",
            "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": "",
