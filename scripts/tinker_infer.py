@@ -471,6 +471,9 @@ def sample_sdk(args, rows: list[dict], model: str, fmt: dict, tokenizer_name: st
         result = sample_with(service, args, rows, model, fmt, tokenizer_name, is_path)
         status = "success"
         return result
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     finally:
         try:  # ends the session at once instead of letting it time out on the server
             service.close(status).result(timeout=30)
@@ -637,6 +640,10 @@ def cmd_sample(args) -> dict:
     pricing_model = result.get("base_model") or (model if parse_tinker_path(model) is None else None)
     usd = None
     if pricing_model:
+        # The n samples of one prompt share its prefill: it is charged with the first sample.
+        for s in result["samples"]:
+            s["usd"] = estimate_usd(pricing_model, (s["prompt_tokens"] or 0) if s["sample_index"] == 0 else 0,
+                                    s["completion_tokens"] or 0)
         usd = estimate_usd(pricing_model, sum(s["prompt_tokens"] or 0 for s in result["samples"] if s["sample_index"] == 0),
                            sum(s["completion_tokens"] or 0 for s in result["samples"]))
     result.update(status="ok", route="http" if args.http else "sdk", usd=usd,
@@ -666,8 +673,9 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
     for s in result["samples"]:
         row = rows[s["prompt_index"]]
         prompt = row.get("prompt") or row["messages"][-1]["content"]
+        cost = f" | est. ${s['usd']:.6f}" if s.get("usd") is not None else ""
         log(f"--- prompt {s['prompt_index']} sample {s['sample_index']} | stop: {s['stop_reason']} | "
-            f"tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion")
+            f"tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion{cost}")
         log(f"> {str(prompt)[:200]}")
         log(s["text"])
     cost = f"${usd:.6f}" if usd is not None else "no dollar estimate (tinker_pricing.py not beside this script, or model unpriced)"
@@ -745,6 +753,9 @@ def cmd_resolve(args) -> dict:
         except Exception as e:
             raise tinker_failure(e, f"listing the checkpoints of run {run}")
         found = sorted((c for c in checkpoints if c.checkpoint_type == wanted), key=lambda c: c.time, reverse=True)
+        if args.target.startswith("tinker://"):  # the other kind of the same save first
+            name = parse_tinker_path(args.target)[2]
+            found.sort(key=lambda c: c.tinker_path.rsplit("/", 1)[-1] != name)
         if not found:
             kinds = sorted({c.checkpoint_type for c in checkpoints}) or ["none"]
             raise Fail(EXIT_USAGE, f"run {run} has no {wanted} checkpoint (it has: {', '.join(kinds)}); "
@@ -1085,7 +1096,8 @@ def checkpoints_parser() -> argparse.ArgumentParser:
     ls.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100; 0 = all)")
     ls.add_argument("--json", action="store_true", help="no table on stderr")
     rs = sub.add_parser("resolve", help="the latest checkpoint path of a kind, from a run id or a log folder")
-    rs.add_argument("target", metavar="RUN_ID|LOG_DIR")
+    rs.add_argument("target", metavar="RUN_ID|LOG_DIR|PATH",
+                    help="a run id, a log folder, or a tinker:// path (then the same save of --kind comes first)")
     rs.add_argument("--kind", choices=["sampler", "state"], default="sampler",
                     help="sampler: sampler_weights/ (for sampling); state: weights/ (for --resume); default sampler")
     ex = sub.add_parser("export", help="download a checkpoint's files into a folder",

@@ -32,6 +32,10 @@ def rest_base_url():
          "tinker_path": STATE, "size_bytes": 1000},
         {"checkpoint_id": "sampler_weights/final", "checkpoint_type": "sampler", "time": "2026-12-01T10:00:01Z",
          "tinker_path": SAMPLER, "size_bytes": 500},
+        {"checkpoint_id": "weights/000005", "checkpoint_type": "training", "time": "2026-12-01T09:00:00Z",
+         "tinker_path": f"tinker://{RUN}/weights/000005", "size_bytes": 1000},
+        {"checkpoint_id": "sampler_weights/000005", "checkpoint_type": "sampler", "time": "2026-12-01T09:00:01Z",
+         "tinker_path": f"tinker://{RUN}/sampler_weights/000005", "size_bytes": 500},
     ]
 
     class Handler(BaseHTTPRequestHandler):
@@ -133,7 +137,15 @@ def test_checkpoint_list_of_a_run_is_newest_first(rest_server, capsys):
     code, result = run(capsys, "checkpoints", "list", "--run", RUN, "--json")
     assert code == 0
     assert [(c["path"], c["type"], c["size_bytes"]) for c in result["checkpoints"]] == [
-        (SAMPLER, "sampler", 500), (STATE, "training", 1000)]
+        (SAMPLER, "sampler", 500), (STATE, "training", 1000),
+        (f"tinker://{RUN}/sampler_weights/000005", "sampler", 500), (f"tinker://{RUN}/weights/000005", "training", 1000)]
+
+
+def test_resolve_from_a_path_gives_the_same_save_of_the_other_kind(rest_server, capsys):
+    code, result = run(capsys, "checkpoints", "resolve", f"tinker://{RUN}/weights/000005")
+    assert (code, result["path"]) == (0, f"tinker://{RUN}/sampler_weights/000005")
+    code, result = run(capsys, "checkpoints", "resolve", f"tinker://{RUN}/sampler_weights/000005", "--kind", "state")
+    assert (code, result["path"]) == (0, f"tinker://{RUN}/weights/000005")
 
 
 def test_missing_key_exits_4(monkeypatch, tmp_path, capsys):
