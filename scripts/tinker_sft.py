@@ -908,7 +908,7 @@ def evaluate(forward, sampler, test_rendered, probes, fmt, tokenizer, args, step
     """Held-out NLL (from a queued forward) and greedy probes; one row in LOG/eval.jsonl."""
     nll = batch_nll(forward.result(), [trained_mask(r) for r in test_rendered]) if forward else None
     row = {"step": step, "when": when, "nll": nll,
-           "test_tokens": sum(sum(trained_mask(r)) for r in test_rendered)}
+           "test_tokens": int(sum(sum(trained_mask(r)) for r in test_rendered))}
     if sampler is not None and probes:
         for p, (text, n) in zip(probes, greedy_samples(sampler, probes, fmt, tokenizer, args.max_tokens)):
             p[when], p[f"{when}_sampled_tokens"] = text, n
@@ -1122,7 +1122,11 @@ def main(argv=None):
     evals = read_rows(log / "eval.jsonl")
     with contextlib.suppress(Exception):  # the run is saved; a failed session close changes nothing
         service.close("success").result()
-    emit(result_record("ok", log, total_steps, final, evals, run_tokens, trained_tokens, fmt))
+    record = result_record("ok", log, total_steps, final, evals, run_tokens, trained_tokens, fmt)
+    template = f"chat template {fmt['template_sha256'][:12]}" if fmt["kind"] == "chat" else "raw text + EOS"
+    print(f"sample it in the format it was trained in ({template}, stop {fmt['stop']}): "
+          f"{record['sampling']['hint']}; sampler path {final['sampler_path']}", file=sys.stderr)
+    emit(record)
     return 0
 
 

@@ -342,6 +342,23 @@ def test_existing_run_is_refused_without_resume_or_overwrite(tmp_path, qwen3_pat
     assert resumed.returncode == 2 and "no checkpoint" in resumed.stderr
 
 
+def test_the_script_copied_alone_runs_and_says_no_dollar_estimate(tmp_path, qwen3_path):
+    import shutil
+
+    alone = tmp_path / "project"
+    alone.mkdir()
+    shutil.copy(SCRIPT, alone / "tinker_sft.py")
+    shutil.copy(PC_EXAMPLE, alone / "data.jsonl")
+    out = subprocess.run([sys.executable, "tinker_sft.py", "--data", "data.jsonl", "--tokenizer", qwen3_path,
+                          "--dry-run", "--format", "raw"], capture_output=True, text=True, cwd=alone, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr
+    assert "no dollar estimate: tinker_pricing.py is not beside this script" in out.stderr
+    report = json.loads(out.stdout)
+    assert report["cost"] is None and report["log_path"] == "runs/sft"
+    assert (alone / "runs" / "sft" / "datums.jsonl").exists()
+
+
 def test_a_sampler_path_given_to_init_from_exits_2_before_any_work(tmp_path):
     out = run("--data", str(EXAMPLE), "--init-from", "tinker://r:train:0/sampler_weights/final",
               "--log-path", str(tmp_path / "log"))
