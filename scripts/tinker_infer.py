@@ -242,7 +242,6 @@ def rest_client():
 
 def run_checkpoints(run_id: str) -> list:
     """The server's checkpoints of one run, newest first ([] if it cannot list them)."""
-    import tinker
     try:
         # Only a hint: never wait long for it (the SDK retries a dead server for minutes).
         listing = rest_client().list_checkpoints(run_id).result(timeout=20)
@@ -747,7 +746,6 @@ def cmd_resolve(args) -> dict:
         require_credentials()
         run = run_id_of(args.target)
         wanted = "sampler" if args.kind == "sampler" else "training"
-        import tinker
         try:
             checkpoints = rest_client().list_checkpoints(run).result().checkpoints
         except Exception as e:
@@ -882,7 +880,6 @@ def export_sampler_archive(path: str, out: Path, key: str) -> dict:
 
 
 def export_external(path: str, out: Path) -> dict:
-    import tinker
     try:
         signed = rest_client().get_external_weights_urls(path).result()
     except Exception as e:
