@@ -35,7 +35,8 @@ Checkpoints:
     list [--run ID|LOG_DIR]   newest first: path, type, size, expiry (server listing; the
                               local backend has no account-wide listing, so every run's
                               checkpoints are listed instead)
-    resolve RUN_ID|LOG_DIR [--kind sampler|state]   the latest path of that kind
+    resolve RUN_ID|LOG_DIR|PATH [--kind sampler|state]   the latest path of that kind (from a
+                              tinker:// path: the same save of that kind first)
     export PATH --out DIR     external_weights/: the signed URLs from
                               RestClient.get_external_weights_urls (SDK 0.38's route);
                               weights/: the official `tinker checkpoint download` (it exports
@@ -50,6 +51,8 @@ Checkpoints:
     merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
                               model's Hugging Face weights (needs torch + peft, an optional
                               extra; install torch first, then `pip install peft safetensors`).
+                              Local backend caveats: a sampler checkpoint samples only while its
+                              training client lives; weights/ export is unavailable there.
 
 Edit:
     Nothing for the common case. To post-process completions, edit `render_prompt()` (turns
@@ -58,7 +61,7 @@ Edit:
 Outputs:
     stdout: exactly one JSON object. Sampling: {"status", "route", "model", "base_model",
       "format", "sampling", "samples": [{"prompt_index", "sample_index", "text", "tokens",
-      "stop_reason", "prompt_tokens", "completion_tokens"}], "usd", "out"}. `--json` only
+      "stop_reason", "prompt_tokens", "completion_tokens", "usd"}], "usd", "out"}. `--json` only
       silences the human-readable display on stderr. With --input FILE.jsonl and --out,
       one JSONL row per input row, in input order: {"index", "prompt"|"messages", "samples"}.
     checkpoints list -> {"checkpoints": [...]}; resolve -> {"path", "kind", "source"};
