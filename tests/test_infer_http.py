@@ -174,3 +174,30 @@ def test_missing_key_exits_4_before_any_request(oai_server, monkeypatch, tmp_pat
     code, result = run(capsys, "--http", "--base-url", oai_server.base_url, "--model", SAMPLER, "--prompt", "hi")
     assert code == 4 and "TINKER_API_KEY" in result["error"]
     assert oai_server.requests == []
+
+
+def test_script_copied_alone_runs_and_prices_only_with_tinker_pricing_beside_it(oai_server, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(tinker_infer.__file__).parent
+    shutil.copy(scripts / "tinker_infer.py", tmp_path / "tinker_infer.py")
+    argv = [sys.executable, str(tmp_path / "tinker_infer.py"), "--http", "--base-url", oai_server.base_url,
+            "--model", "Qwen/Qwen3-8B", "--prompt", "hi", "--max-tokens", "5"]
+    env = {**os.environ, "TINKER_API_KEY": KEY, "PYTHONPATH": ""}
+
+    alone = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    assert json.loads(alone.stdout)["usd"] is None
+    assert "no dollar estimate" in alone.stderr
+
+    shutil.copy(scripts / "tinker_pricing.py", tmp_path / "tinker_pricing.py")
+    priced = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = json.loads(priced.stdout)
+    # 7 prompt + 5 completion tokens from the test server, at the catalogue's Qwen3-8B rates.
+    import tinker_pricing
+    expected = tinker_pricing.estimate_cost("Qwen/Qwen3-8B", prefill=7, sample=5)["usd"]["total"]
+    assert result["usd"] == pytest.approx(expected) and result["usd"] > 0
