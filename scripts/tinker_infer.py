@@ -1004,10 +1004,13 @@ def cmd_merge(args) -> dict:
              else torch.load(adapter / "adapter_model.bin", map_location="cpu", weights_only=True))
     targets = adapter_target_modules(state)
     declared = config.get("target_modules")
-    if not declared:
-        # SkyRL's exports (the local backend) write a LoraConfig without target_modules;
-        # PEFT would then fall back to its per-architecture defaults and silently drop the rest.
-        log(f"adapter_config.json names no target_modules; using the modules its weights touch: {', '.join(targets)}")
+    # The tensors say what was trained. SkyRL's exports (the local backend) name no
+    # target_modules, and a pattern such as "all-linear" leaves out lm_head, which Tinker
+    # trains by default: with either, PEFT would silently drop tensors.
+    if not targets:
+        raise Fail(EXIT_USAGE, f"{weights_file.name} holds no lora_A/lora_B tensors; expected a PEFT LoRA adapter")
+    if declared != targets:
+        log(f"target modules from the adapter's tensors: {', '.join(targets)} (adapter_config.json says {declared})")
     dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     log(f"loading {base_dir} ({args.dtype}) ...")
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype)
@@ -1022,10 +1025,14 @@ def cmd_merge(args) -> dict:
         untied = True
     lora_config = peft.LoraConfig(
         r=int(config.get("r", 8)), lora_alpha=float(config.get("lora_alpha", 8)), lora_dropout=0.0,
-        target_modules=declared or targets, bias=config.get("bias", "none"),
+        target_modules=targets, bias=config.get("bias", "none"),
         use_rslora=bool(config.get("use_rslora", False)), fan_in_fan_out=bool(config.get("fan_in_fan_out", False)))
     state = peft_embedding_layout(state, model, torch)  # before PEFT wraps the embedding
-    peft_model = peft.get_peft_model(model, lora_config)
+    try:
+        peft_model = peft.get_peft_model(model, lora_config)
+    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
+        raise Fail(EXIT_FAILURE, f"the adapter's modules ({', '.join(targets)}) match no module of {base_dir} "
+                                 f"({str(e).splitlines()[0][:150]}); is --base the model this adapter was trained on?")
     state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
     loaded = peft.set_peft_model_state_dict(peft_model, state)
     unexpected = [k for k in getattr(loaded, "unexpected_keys", []) if "lora" in k]

@@ -96,3 +96,18 @@ def test_adapter_for_another_architecture_fails_loudly(base_dir, tmp_path, capsy
     assert code == 1
     assert "match no module" in result["error"]
     assert not (tmp_path / "merged").exists()
+
+
+def test_modules_come_from_the_tensors_when_the_config_names_fewer(base_dir, tmp_path, capsys):
+    adapter = skyrl_adapter(tmp_path / "adapter", with_embedding=False)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj"]}))
+    code, result = run(capsys, "checkpoints", "merge", str(tmp_path / "adapter"), "--base", str(base_dir),
+                       "--out", str(tmp_path / "merged"), "--dtype", "float32")
+    assert code == 0, result
+    assert "down_proj" in result["target_modules"]
+    base = load_file(str(base_dir / "model.safetensors"))
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj"
+    a, b = adapter[f"base_model.model.{key}.lora_A.weight"], adapter[f"base_model.model.{key}.lora_B.weight"]
+    torch.testing.assert_close(merged[f"{key}.weight"], base[f"{key}.weight"] + ALPHA / R * b @ a)
