@@ -23,6 +23,8 @@ import pytest
 
 import tinker_local
 
+__all__ = ["LocalTinker", "local_backend_install", "local_tinker"]
+
 
 @dataclass
 class LocalTinker:
