@@ -1083,9 +1083,7 @@ def main(argv=None):
         "longest": {"line": longest_line, "tokens": len(longest.tokens)},
         "max_length": limit, "learning_rate": lr,
     }
-    print(f"{summary['datums']['train']} train / {summary['datums']['test']} held-out datums, {total_steps} "
-          f"steps of {size}, {run_tokens} model-input tokens ({int(trained_tokens)} trained), longest "
-          f"{len(longest.tokens)} tokens (line {longest_line}), limit {limit or 'unknown'}", file=sys.stderr)
+    print_summary(summary, fmt, args)
     cost = estimate(args, cost_tokens, context=None)
 
     config = settings_record(args, fmt, lr, lr_source, limit)
@@ -1128,6 +1126,29 @@ def main(argv=None):
           f"{record['sampling']['hint']}; sampler path {final['sampler_path']}", file=sys.stderr)
     emit(record)
     return 0
+
+
+def print_summary(summary, fmt, args):
+    """The audit as a table on stderr: what will be trained, on what, at which rate."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tinker_sft plan", show_header=False, title_justify="left")
+    fmt_text = (f"chat template {fmt['template_sha256'][:12]}, kwargs {fmt['template_kwargs']}"
+                if fmt["kind"] == "chat" else "raw text + EOS")
+    for key, value in [
+        ("model", args.model_name), ("format", f"{fmt_text}, stop {fmt['stop']}"),
+        ("datums", f"{summary['datums']['train']} train / {summary['datums']['test']} held-out "
+                   f"({summary['examples']['dropped']} dropped over the limit)"),
+        ("steps", f"{summary['steps']} of {summary['batch_size']} datums ({summary['batches_per_epoch']} per epoch)"),
+        ("tokens", f"{summary['tokens']['model_input']} model-input, {summary['tokens']['trained']} trained, "
+                   f"{summary['tokens']['eval_forward']} held-out forward"),
+        ("longest", f"{summary['longest']['tokens']} tokens (line {summary['longest']['line']}), "
+                    f"limit {summary['max_length'] or 'unknown'}"),
+        ("learning rate", f"{summary['learning_rate']:.3e}, {args.lr_schedule}, warmup {args.warmup_steps}"),
+    ]:
+        table.add_row(key, str(value))
+    Console(stderr=True, highlight=False, soft_wrap=True).print(table)
 
 
 def result_record(status, log, steps, final, evals, run_tokens, trained_tokens, fmt):
