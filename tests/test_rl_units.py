@@ -364,3 +364,21 @@ def test_no_credentials_exits_4_before_any_call(qwen, tmp_path):
     out = run_cli("--tokenizer", qwen[2], "--log-path", str(tmp_path / "run"), env={"HOME": str(tmp_path)})
     assert out.returncode == 4 and "no Tinker credentials" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_estimate_above_max_usd_exits_3_before_any_call(qwen):
+    out = run_cli("--dry-run", "--tokenizer", qwen[2], "--max-usd", "0.0001")
+    assert out.returncode == 3 and "exceeds --max-usd 0.0001" in out.stderr and out.stdout == ""
+
+
+def test_simulated_user_above_temperature_zero_is_warned(qwen, monkeypatch, capsys):
+    monkeypatch.setattr(tinker_rl, "SIMULATED_USER_TEMPERATURE", 0.7)
+    assert tinker_rl.cli(["--dry-run", "--tokenizer", qwen[2], "--env", "calculator"]) == 0
+    assert "warning: SIMULATED_USER_TEMPERATURE is 0.7" in capsys.readouterr().err
+
+
+def test_reasoning_models_get_a_4096_token_turn_budget_by_default():
+    for model, expected in (("openai/gpt-oss-20b", 4096), ("Qwen/Qwen3-8B", 256)):
+        args = tinker_rl.parse_args(["--model-name", model])
+        tinker_rl.validate_args(args)
+        assert args.max_tokens == expected
