@@ -6,9 +6,9 @@ Run (against the local backend, or real Tinker with TINKER_API_KEY set):
     python benchmarks/rl_rollout_concurrency.py --batch-size 8 --group-size 4 --max-tokens 16 --repeats 3
 
 It uses the script's own rollout code (tinker_rl.rollout_batch with concurrent=True/False) on the
-single-turn example tasks, one sampling client, the same seeds for both modes. Both shapes are
-warmed up first (the local backend compiles once per batch shape: timing a first call measures
-the compiler), then each mode runs --repeats times, alternating. Prints a side-by-side table on
+single-turn example tasks, one sampling client, the same seeds for both modes. Both modes are
+warmed up first (--warmup runs each: the local backend compiles once per batch shape, and timing a
+first call measures the compiler), then each mode runs --repeats times, alternating; medians. Prints a side-by-side table on
 stderr and one JSON object on stdout.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-turns", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=4, help="untimed runs of each mode first (JIT shapes)")
     args = p.parse_args(argv)
 
     import tinker
@@ -59,8 +60,14 @@ def main(argv=None):
         tokens = sum(len(t.action) for g in groups for e in g.episodes for t in e.turns)
         return seconds, tokens
 
-    print("warming up both shapes ...", file=sys.stderr)
-    warm = {"concurrent": timed(True)[0], "sequential": timed(False)[0]}
+    # The local backend batches whatever requests are queued together, so the in-flight mode meets
+    # several new batch shapes and compiles each once: warm until those are all seen.
+    warm = {"concurrent": [], "sequential": []}
+    for i in range(args.warmup):
+        for mode in ("concurrent", "sequential"):
+            warm[mode].append(timed(mode == "concurrent")[0])
+        print(f"warm-up {i + 1}/{args.warmup}: in flight {warm['concurrent'][-1]:.2f} s, "
+              f"sequential {warm['sequential'][-1]:.2f} s", file=sys.stderr)
     runs = {"concurrent": [], "sequential": []}
     tokens = {}
     for _ in range(args.repeats):
