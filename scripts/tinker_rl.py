@@ -706,7 +706,7 @@ def save_checkpoint(tc, log, name, next_iteration, epoch, fmt, final=False):
     return row
 
 
-SETTINGS_THAT_MUST_MATCH = ("env", "model_name", "lora_rank", "batch_size", "group_size", "seed", "loss_fn")
+SETTINGS_THAT_MUST_MATCH = ("env", "model_name", "lora_rank", "batch_size", "group_size", "seed")
 
 
 def prepare_log(args, config):
