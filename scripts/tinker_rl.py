@@ -892,8 +892,6 @@ def main(argv=None):
     estimate(args, avg_prompt, turns, context_window)
     (log / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    import tinker
-
     if resume_row:
         tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
         print(f"resumed from {resume_row['state_path']} at iteration {start}", file=sys.stderr)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import subprocess
 import sys
