@@ -11,11 +11,18 @@ Owned by the local-backend work (issue 3); see DEVELOPING.md for the interface.
 
 Set TINKER_TEST_BASE_URL=http://127.0.0.1:PORT to reuse a server started with
 `python scripts/tinker_local.py serve` instead of starting one per pytest run.
+
+A ServiceClient created during a test that uses `local_tinker` (directly, or inside a script's
+main() run in-process) is closed when that test ends. In one long pytest process an unclosed
+client keeps heartbeating, so its LoRA adapter slot (11 per server) would never come back.
+Clients made by module- or session-scoped fixtures are left alone.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +30,33 @@ import pytest
 
 import tinker_local
 
-__all__ = ["LocalTinker", "local_backend_install", "local_tinker"]
+__all__ = ["LocalTinker", "local_backend_install", "local_tinker", "close_service_clients_made_by_the_test"]
+
+_service_clients: weakref.WeakSet = weakref.WeakSet()  # every tinker.ServiceClient made in this process
+
+
+def _track_service_clients():
+    import tinker
+    original = tinker.ServiceClient.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _service_clients.add(self)
+
+    tinker.ServiceClient.__init__ = init
+    return lambda: setattr(tinker.ServiceClient, "__init__", original)
+
+
+def close_service_clients_since(before: weakref.WeakSet) -> int:
+    """Close every tracked ServiceClient not in `before`; their adapter slots are freed at once."""
+    closed = 0
+    for client in list(_service_clients):
+        if client not in before:
+            with contextlib.suppress(Exception):
+                client.close("success").result(timeout=30)
+                closed += 1
+            _service_clients.discard(client)
+    return closed
 
 
 @dataclass
@@ -59,8 +92,20 @@ def local_backend_install():
     return venv, home
 
 
+@pytest.fixture(autouse=True)
+def close_service_clients_made_by_the_test(request):
+    if "local_tinker" not in request.fixturenames:
+        yield
+        return
+    before = weakref.WeakSet(_service_clients)
+    yield
+    close_service_clients_since(before)
+
+
 @pytest.fixture(scope="session")
 def local_tinker(request):
+    untrack = _track_service_clients()
+    request.addfinalizer(untrack)
     reuse = os.environ.get("TINKER_TEST_BASE_URL")
     if reuse:
         home = tinker_local.resolve_home()

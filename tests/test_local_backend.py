@@ -5,6 +5,7 @@ shape costs a JAX compile on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -239,6 +240,31 @@ def test_forward_backward_custom_reports_the_client_side_loss(sdk):
     assert out.metrics["loss:sum"] == pytest.approx(reference, rel=1e-4)
     assert out.metrics["custom_nll:sum"] == pytest.approx(reference, rel=1e-4)
     assert "surrogate_loss:sum" in out.metrics
+
+
+@pytest.mark.e2e
+def test_a_client_a_test_leaves_open_is_closed_and_its_adapter_unloaded(local_tinker, monkeypatch):
+    """What the autouse fixture does after every test that uses local_tinker."""
+    import sqlite3
+    import weakref
+
+    import fixtures_local
+    import tinker
+    local_tinker.apply(monkeypatch)
+    before = weakref.WeakSet(fixtures_local._service_clients)
+    left_open = tinker.ServiceClient()
+    model_id = left_open.create_lora_training_client(local_tinker.model, rank=8).result().model_id
+    assert left_open in fixtures_local._service_clients
+    assert fixtures_local.close_service_clients_since(before) == 1
+    assert left_open not in fixtures_local._service_clients
+    if local_tinker.server is not None:  # the fixture's own server: its database is readable
+        db = local_tinker.server.run_dir / "tinker.db"
+        deadline, status = time.monotonic() + 30, None
+        while status != "unloaded" and time.monotonic() < deadline:
+            with contextlib.closing(sqlite3.connect(db)) as conn:
+                status = conn.execute("select status from models where model_id = ?", (model_id,)).fetchone()[0]
+            time.sleep(0.2)
+        assert status == "unloaded"
 
 
 # ---------------------------------------------------------------- the shims: present and needed
