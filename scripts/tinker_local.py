@@ -45,7 +45,11 @@ log file) · 2 bad usage · 130 interrupted · `run`: COMMAND's own exit code.
 
 Internals: the same file is re-entered by the server venv's python as the API process
 (`_server api`), the engine process (`_server engine`) and the model builder (`_build_model`);
-those parts import SkyRL and apply the four SDK-0.38 shims listed under `apply_api_shims`.
+those parts import SkyRL and patch it in memory (`shim_typing`, `apply_api_shims`,
+`apply_engine_shims`): the four gaps to SDK 0.38 the research notes list (Python 3.11 start-up,
+`sample_sequence_ids`, create-from-state, `loss:sum`) plus the engine launch without `uv`,
+`.../sampler_weights/NAME` paths, the `sessions/{id}/finish` route and adapter slots of
+sessions that end before their first heartbeat. `_server gaps` reports which gaps are open.
 """
 from __future__ import annotations
 
