@@ -1,4 +1,6 @@
 """README opens with exactly two set-up commands, and CI runs the second one verbatim."""
+import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,3 +20,19 @@ def test_readme_opens_with_exactly_two_commands_rehearsal_then_tests():
 def test_ci_runs_the_readme_test_command_verbatim():
     ci_lines = [l for l in (ROOT / ".ci/run").read_text().splitlines() if l and not l.startswith("#")]
     assert readme_commands()[1] in ci_lines
+
+
+def _names(requirements):
+    return {re.split(r"[<>=!~ \[;]", r.strip(), maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_the_install_in_the_first_command_has_every_package_the_scripts_declare():
+    # A fresh `pip install -e .` (README's first command, no test extras) once lacked jinja2, which
+    # transformers needs to render chat templates but does not declare: the rehearsal failed.
+    project = _names(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        header = re.search(r"^# /// script\n(.*?)^# ///$", script.read_text(), re.S | re.M)
+        if header is None:
+            continue
+        declared = tomllib.loads("\n".join(line[2:] for line in header.group(1).splitlines()))
+        assert _names(declared.get("dependencies", [])) <= project, script.name
