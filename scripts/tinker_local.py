@@ -81,7 +81,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-local"
 DEFAULT_HOME = REPO / ".cache" / "tinker-local"
 READY_TIMEOUT_SEC = 300  # cold start is ~30 s on an idle 2-core box; a busy one is slower
-MAX_LORA_ADAPTERS = 12   # slots - 1 live training clients; ~40 MB per slot per live client at rank 32
+MAX_LORA_ADAPTERS = 14   # slot 0 is the base model; ~40 MB per slot per live client at rank 32
+SAMPLER_SLOTS = 3        # of those, kept for sampler checkpoints (least recently sampled unloaded)
 MAX_LORA_RANK = 32       # the SDK's default rank is 32
 SESSION_TIMEOUT_SEC = 30  # the SDK heartbeats every 10 s; a dead client's adapter is freed after this
 SESSION_CLEANUP_INTERVAL_SEC = 5
@@ -767,9 +768,11 @@ def apply_engine_shims() -> None:
     from sqlmodel import Session, update
 
     model_pass = jax_backend.JaxBackendImpl._model_pass
+    create_model = jax_backend.JaxBackendImpl.create_model
     run = engine.TinkerEngine.run
     save_for_sampler = engine.TinkerEngine.process_save_weights_for_sampler
     cleanup = engine.TinkerEngine.cleanup_stale_sessions
+    filter_valid = engine.TinkerEngine._filter_valid_requests
 
     # Gap 5, loss:sum: SDK 0.38's forward_backward_custom (and our scripts' logs) read
     # metrics["loss:sum"]; skyrl returns empty metrics. The per-token loss is already
@@ -781,6 +784,24 @@ def apply_engine_shims() -> None:
                 output.metrics["loss:sum"] = float(sum(
                     sum(item["elementwise_loss"]["data"]) for item in output.loss_fn_outputs))
         return results
+
+    # Determinism: skyrl keeps one gradient accumulator for all adapter slots and clears a slot
+    # only in optim_step, not when its model is deleted. A client that ends after a
+    # forward_backward without optim_step (a killed run, a rejected loss, an eval) leaves its
+    # gradients in the slot, and the next model given that slot adds them to its first step
+    # (measured: losses 453.39 vs 456.57 at step 2 for the same seed and data). Clear on create.
+    def create_model_with_clean_gradients(self, model_id, lora_config, model_role="policy"):
+        sampler_slots = self.__dict__.setdefault("sampler_slots", {})  # see below; oldest first
+        full = len(self.models) >= self.config.max_lora_adapters - 1
+        if full and sampler_slots and not model_id.startswith("sampler:"):
+            self.delete_model(oldest := next(iter(sampler_slots)))  # a checkpoint reloads on demand
+            del sampler_slots[oldest]
+        create_model(self, model_id, lora_config, model_role=model_role)
+        import jax
+        import jax.numpy as jnp
+        with jax.set_mesh(self.mesh):
+            self.accumulated_grads = self.accumulated_grads.reset_adapter(
+                jnp.int32(self.models[model_id].adapter_index))
 
     # Readiness: /healthz answers seconds before the engine polls for work; requests sent
     # earlier only queue. Signal "ready" when the engine loop starts.
@@ -812,7 +833,59 @@ def apply_engine_shims() -> None:
             session.commit()
         return cleanup(self)
 
+    # Sampler checkpoints: skyrl samples a checkpoint by loading it into the adapter slot of the
+    # training model that saved it. So a checkpoint cannot be sampled once that model is
+    # unloaded ("Model X not loaded": every finished run), and sampling an older checkpoint
+    # overwrites the weights a live training client is training. Tinker serves sampler
+    # checkpoints apart from training: give each checkpoint file its own slot, loaded on
+    # demand, the least recently used unloaded beyond SAMPLER_SLOTS or when training needs one.
+    def checkpoint_file(self, model_id, checkpoint_id) -> Path:
+        return Path(str(self.config.checkpoints_base)) / model_id / "sampler_weights" / f"{checkpoint_id}.tar.gz"
+
+    def filter_valid_with_checkpoints(self, requests):
+        def from_checkpoint(model_id, data):
+            return isinstance(data, types.SampleInput) and bool(model_id) and bool(data.checkpoint_id)
+
+        errors, valid = filter_valid(self, {rid: (m, d) for rid, (m, d) in requests.items()
+                                            if not from_checkpoint(m, d)})
+        for rid, (model_id, data) in requests.items():
+            if not from_checkpoint(model_id, data):
+                continue
+            if checkpoint_file(self, model_id, data.checkpoint_id).exists():
+                valid[rid] = (model_id, data)
+            else:
+                errors[rid] = types.ErrorResponse(status="failed", error=(
+                    f"Sampler checkpoint tinker://{model_id}/sampler_weights/{data.checkpoint_id} not found"))
+        return errors, {rid: valid[rid] for rid in requests if rid in valid}
+
+    def process_sample_in_checkpoint_slots(self, requests):
+        from skyrl.tinker.db_models import ModelDB
+        slots = self.backend.__dict__.setdefault("sampler_slots", {})  # slot id -> None, oldest first
+        prepared = engine.prepare_sample_batch(requests, self.config.checkpoints_base)
+        in_use = set()
+        for i, (model_id, checkpoint_id) in enumerate(zip(prepared.all_model_ids, prepared.all_checkpoint_ids)):
+            if not (model_id and checkpoint_id):
+                continue
+            file = checkpoint_file(self, model_id, checkpoint_id)
+            slot = f"sampler:{model_id}/{checkpoint_id}@{file.stat().st_mtime_ns}"  # a rewrite is new
+            if slot not in self.backend.models:
+                for old in [s for s in slots if s not in in_use][:max(0, len(slots) - SAMPLER_SLOTS + 1)]:
+                    self.backend.delete_model(old)
+                    del slots[old]
+                with Session(self.db_engine) as session:
+                    row = session.get(ModelDB, model_id)
+                lora_config = types.LoraConfig.model_validate(row.lora_config)
+                self.backend.create_model(slot, lora_config)
+            slots.pop(slot, None)
+            slots[slot] = None
+            in_use.add(slot)
+            prepared.all_model_ids[i] = slot
+        return self.backend.sample(prepared)
+
     jax_backend.JaxBackendImpl._model_pass = model_pass_with_loss_sum
+    engine.TinkerEngine._filter_valid_requests = filter_valid_with_checkpoints
+    engine.TinkerEngine.process_sample = process_sample_in_checkpoint_slots
+    jax_backend.JaxBackendImpl.create_model = create_model_with_clean_gradients
     engine.TinkerEngine.process_save_weights_for_sampler = save_for_sampler_with_kind
     engine.TinkerEngine.cleanup_stale_sessions = cleanup_including_silent_sessions
     engine.TinkerEngine.run = run_and_signal_ready
@@ -898,6 +971,10 @@ def gaps_still_open() -> dict[str, bool]:
         "silent_sessions_never_expire": SessionDB.model_fields["last_heartbeat_at"].default is None
             and "last_heartbeat_at < cutoff" in inspect.getsource(TinkerEngine.cleanup_stale_sessions),
         "no_session_finish_route": "/api/v1/sessions/{session_id}/finish" not in paths,
+        "sampling_a_checkpoint_needs_its_training_model": "self.models[model_id].adapter_index"
+            in inspect.getsource(JaxBackendImpl.load_sampler_weights),
+        "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
+            + inspect.getsource(JaxBackendImpl.delete_model),
     }
 
 

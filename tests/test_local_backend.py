@@ -267,6 +267,79 @@ def test_a_client_a_test_leaves_open_is_closed_and_its_adapter_unloaded(local_ti
         assert status == "unloaded"
 
 
+def _train(training, data, steps):
+    from tinker import types
+    losses = []
+    for _ in range(steps):
+        fb = training.forward_backward(data, "cross_entropy")
+        step = training.optim_step(types.AdamParams(learning_rate=5e-2))
+        losses.append(fb.result().metrics["loss:sum"])
+        step.result()
+    return losses
+
+
+@pytest.mark.e2e
+def test_a_new_training_client_does_not_inherit_gradients_left_in_its_slot(local_tinker, monkeypatch):
+    """skyrl clears a slot's gradient sum only in optim_step; a shim clears it on create. Without
+    it the second run below differs from the first from step 2 on (453.39 vs 456.57)."""
+    import tinker
+    import transformers
+    local_tinker.apply(monkeypatch)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
+    data = datums(tokenizer)
+
+    def fresh_run():
+        service = tinker.ServiceClient()
+        losses = _train(service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result(),
+                        data, 3)
+        service.close("success").result()
+        return losses
+
+    first = fresh_run()
+    leaver = tinker.ServiceClient()  # gets the slot just freed, leaves gradients in it, goes away
+    other = datums(tokenizer, texts=[t.replace("quick brown fox", "slow grey wolf") for t in TEXTS])
+    leaver.create_lora_training_client(local_tinker.model, rank=8, seed=7).result() \
+        .forward_backward(other, "cross_entropy").result()
+    leaver.close("success").result()
+    assert fresh_run() == pytest.approx(first, abs=1e-4)
+
+
+@pytest.mark.e2e
+def test_a_sampler_checkpoint_is_served_apart_from_the_client_that_saved_it(local_tinker, monkeypatch):
+    """Tinker samples a saved checkpoint whatever its training client does next, and after that
+    client is gone; skyrl loads it into the training slot (a shim gives it its own slot)."""
+    import tinker
+    import transformers
+    from tinker import types
+    local_tinker.apply(monkeypatch)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
+    data = datums(tokenizer)
+    prompt = types.ModelInput.from_ints(tokenizer.encode("Once upon a time"))
+    params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    service = tinker.ServiceClient()
+    training = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
+    _train(training, data, 2)
+    path = training.save_weights_for_sampler("served-apart").result().path
+    sampler = service.create_sampling_client(model_path=path).result()
+    first = sampler.sample(prompt, num_samples=2, sampling_params=params).result().sequences
+    _train(training, data, 2)
+    trained = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    again = sampler.sample(prompt, num_samples=2, sampling_params=params).result().sequences
+    assert [s.tokens for s in again] == [s.tokens for s in first]  # the checkpoint, not step 4
+    assert sum((s.logprobs for s in again), []) == pytest.approx(sum((s.logprobs for s in first), []), abs=1e-5)
+    assert training.forward(data, "cross_entropy").result().metrics["loss:sum"] == trained  # untouched
+    service.close("success").result()
+
+    later = tinker.ServiceClient()  # the run that saved it is unloaded now
+    late = later.create_sampling_client(model_path=path).result().sample(
+        prompt, num_samples=2, sampling_params=params).result().sequences
+    assert [s.tokens for s in late] == [s.tokens for s in first]
+    with pytest.raises(Exception, match="not found"):
+        later.create_sampling_client(model_path=path.replace("served-apart", "never-saved")).result().sample(
+            prompt, num_samples=1, sampling_params=params).result()
+    later.close("success").result()
+
+
 # ---------------------------------------------------------------- the shims: present and needed
 
 
@@ -283,6 +356,8 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "asample_without_sample_sequence_ids": True, "load_weights_requires_model_id": True,
         "no_loss_sum_metric": True, "sampler_path_without_kind": True,
         "silent_sessions_never_expire": True, "no_session_finish_route": True,
+        "sampling_a_checkpoint_needs_its_training_model": True,
+        "stale_gradients_survive_slot_reuse": True,
     }
 
 
