@@ -492,13 +492,16 @@ def _terminate_raises():
             signal.signal(s, h)
 
 
-def cmd_serve(args) -> int:
+def _start_from_args(args) -> Server:
     say(BANNER.format(model=args.model))
+    return start_server(args.model, args.port, venv=args.venv, home=args.home, run_dir=args.run_dir,
+                        ready_timeout=args.ready_timeout, weights=args.weights,
+                        max_lora_adapters=args.max_lora_adapters, max_lora_rank=args.max_lora_rank)
+
+
+def cmd_serve(args) -> int:
     with _terminate_raises():
-        server = start_server(args.model, args.port, venv=args.venv, home=args.home,
-                              run_dir=args.run_dir, ready_timeout=args.ready_timeout,
-                              weights=args.weights, max_lora_adapters=args.max_lora_adapters,
-                              max_lora_rank=args.max_lora_rank)
+        server = _start_from_args(args)
         try:
             say(f"ready in {server.ready_seconds:.1f} s at {server.base_url}; log: {server.log}; "
                 "Ctrl-C stops it")
@@ -521,12 +524,8 @@ def cmd_run(args) -> int:
         raise UsageError("run needs a command: tinker_local.py run -- python my_script.py")
     if shutil.which(command[0]) is None:
         raise UsageError(f"command not found: {command[0]!r} (checked before starting the server)")
-    say(BANNER.format(model=args.model))
     with _terminate_raises():
-        server = start_server(args.model, args.port, venv=args.venv, home=args.home,
-                              run_dir=args.run_dir, ready_timeout=args.ready_timeout,
-                              weights=args.weights, max_lora_adapters=args.max_lora_adapters,
-                              max_lora_rank=args.max_lora_rank)
+        server = _start_from_args(args)
         try:
             say(f"ready in {server.ready_seconds:.1f} s at {server.base_url}; log: {server.log}")
             try:
