@@ -879,7 +879,15 @@ def apply_engine_shims() -> None:
             slots[slot] = None
             in_use.add(slot)
             prepared.all_model_ids[i] = slot
-        return self.backend.sample(prepared)
+        results = self.backend.sample(prepared)
+        # Prompt logprobs: Tinker returns one per prompt token, None first (compute_logprobs'
+        # documented contract); skyrl's JAX backend drops that first entry, shifting every index.
+        for rid, (_, data) in requests.items():
+            out = results.get(rid)
+            logprobs = getattr(out, "prompt_logprobs", None)
+            if logprobs is not None and len(logprobs) == sum(len(c.tokens) for c in data.prompt.chunks) - 1:
+                out.prompt_logprobs = [None, *logprobs]
+        return results
 
     jax_backend.JaxBackendImpl._model_pass = model_pass_with_loss_sum
     engine.TinkerEngine._filter_valid_requests = filter_valid_with_checkpoints
@@ -972,6 +980,7 @@ def gaps_still_open() -> dict[str, bool]:
         "no_session_finish_route": "/api/v1/sessions/{session_id}/finish" not in paths,
         "sampling_a_checkpoint_needs_its_training_model": "self.models[model_id].adapter_index"
             in inspect.getsource(JaxBackendImpl.load_sampler_weights),
+        "prompt_logprobs_without_leading_none": "[None" not in inspect.getsource(JaxBackendImpl.sample),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
     }

@@ -212,6 +212,22 @@ def test_sampler_checkpoint_samples_with_stop_strings_and_a_seed(sdk):
 
 
 @pytest.mark.e2e
+def test_compute_logprobs_follows_tinkers_contract_and_agrees_with_the_learner(sdk):
+    """One entry per prompt token, None first (a shim adds the None skyrl drops), and the
+    sampler's numbers are the learner's for the same weights."""
+    from tinker import types
+    _, training, tokenizer = sdk
+    data = datums(tokenizer)[:1]
+    ids = tokenizer.encode(TEXTS[0])
+    sampler = training.save_weights_and_get_sampling_client("e2e-logprobs")
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    got = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
+    assert len(got) == len(ids) and got[0] is None
+    learner = training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
+    assert got[1:] == pytest.approx(learner, abs=1e-4)
+
+
+@pytest.mark.e2e
 def test_rest_client_lists_the_runs_checkpoints(local_tinker, sdk):
     import tinker
     _, training, _ = sdk
@@ -357,7 +373,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "no_loss_sum_metric": True, "sampler_path_without_kind": True,
         "silent_sessions_never_expire": True, "no_session_finish_route": True,
         "sampling_a_checkpoint_needs_its_training_model": True,
-        "stale_gradients_survive_slot_reuse": True,
+        "stale_gradients_survive_slot_reuse": True, "prompt_logprobs_without_leading_none": True,
     }
 
 
