@@ -759,6 +759,26 @@ def apply_api_shims(api) -> None:
 
     route("/api/v1/sessions/{session_id}/finish", finish_session, session_id=str)
 
+    # Run ids: SDK 0.38 names a client restored from a checkpoint "{session_id}:train:{n}" (the
+    # id our load_weights shim creates), but skyrl's checkpoint routes accept only
+    # [a-zA-Z0-9_-] in {unique_id}: listing, downloading or deleting that run's checkpoints was
+    # a 422. Re-register those routes, in front, without the pattern.
+    import fastapi
+    import inspect
+    for old in [r for r in app.router.routes if "{unique_id}" in getattr(r, "path", "")]:
+        signature = inspect.signature(old.endpoint, eval_str=True)
+        parameters = [p.replace(default=fastapi.Path(..., max_length=api.ID_MAX_LENGTH))
+                      if p.name == "unique_id" else p for p in signature.parameters.values()]
+
+        async def endpoint(*args, _endpoint=old.endpoint, **kwargs):
+            return await _endpoint(*args, **kwargs)
+
+        endpoint.__signature__ = signature.replace(parameters=parameters)
+        app.add_api_route(old.path, endpoint, methods=list(old.methods), name=old.name,
+                          status_code=old.status_code, response_model=old.response_model,
+                          response_class=old.response_class)
+        app.router.routes.insert(0, app.router.routes.pop())
+
 
 def apply_engine_shims() -> None:
     from skyrl.backends import jax as jax_backend
@@ -981,6 +1001,8 @@ def gaps_still_open() -> dict[str, bool]:
         "sampling_a_checkpoint_needs_its_training_model": "self.models[model_id].adapter_index"
             in inspect.getsource(JaxBackendImpl.load_sampler_weights),
         "prompt_logprobs_without_leading_none": "[None" not in inspect.getsource(JaxBackendImpl.sample),
+        "restored_run_ids_rejected_by_checkpoint_routes": __import__("re").fullmatch(
+            api.ID_PATTERN, "session_0:train:1") is None and any("{unique_id}" in p for p in paths if p),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
     }

@@ -186,6 +186,21 @@ def test_restored_state_reproduces_the_loss(local_tinker, sdk):
 
 
 @pytest.mark.e2e
+def test_a_restored_runs_checkpoints_are_listed_and_deleted_by_its_sdk_id(local_tinker, sdk):
+    """SDK 0.38 names a restored client "{session}:train:{n}"; skyrl's routes refused the colon."""
+    import tinker
+    service, training, _ = sdk
+    restored = service.create_training_client_from_state(training.save_state("e2e-restore-src").result().path).result()
+    assert ":train:" in restored.model_id
+    path = restored.save_state("e2e-restored").result().path
+    rest = tinker.RestClient(base_url=local_tinker.base_url, api_key=local_tinker.env["TINKER_API_KEY"])
+    listed = rest.list_checkpoints(restored.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed] == [path]
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(restored.model_id).result().checkpoints == []
+
+
+@pytest.mark.e2e
 def test_sampler_checkpoint_samples_with_stop_strings_and_a_seed(sdk):
     from tinker import types
     service, training, tokenizer = sdk
@@ -374,6 +389,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "silent_sessions_never_expire": True, "no_session_finish_route": True,
         "sampling_a_checkpoint_needs_its_training_model": True,
         "stale_gradients_survive_slot_reuse": True, "prompt_logprobs_without_leading_none": True,
+        "restored_run_ids_rejected_by_checkpoint_routes": True,
     }
 
 
