@@ -82,6 +82,7 @@ DEFAULT_VENV = REPO / ".venv-local"
 DEFAULT_HOME = REPO / ".cache" / "tinker-local"
 READY_TIMEOUT_SEC = 300  # cold start is ~30 s on an idle 2-core box; a busy one is slower
 MAX_LORA_ADAPTERS = 14   # slot 0 is the base model; ~40 MB per slot per live client at rank 32
+DEFAULT_CONTEXT = 32768   # reported when the served name is not in tinker_pricing.py's catalogue
 SAMPLER_SLOTS = 3        # of those, kept for sampler checkpoints (least recently sampled unloaded)
 MAX_LORA_RANK = 32       # the SDK's default rank is 32
 SESSION_TIMEOUT_SEC = 30  # the SDK heartbeats every 10 s; a dead client's adapter is freed after this
@@ -408,7 +409,7 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
                  home: Path | None = None, run_dir: Path | None = None,
                  ready_timeout: float = READY_TIMEOUT_SEC, weights: Path | None = None,
                  max_lora_adapters: int = MAX_LORA_ADAPTERS, max_lora_rank: int = MAX_LORA_RANK,
-                 session_timeout_sec: int = SESSION_TIMEOUT_SEC) -> Server:
+                 session_timeout_sec: int = SESSION_TIMEOUT_SEC, max_context: int | None = None) -> Server:
     """Start the server on 127.0.0.1 and return once the engine is ready (raises LocalError)."""
     venv, home = venv or resolve_venv(), home or resolve_home()
     if not is_set_up(venv, home):
@@ -447,6 +448,7 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
            "--external-inference-lora-base", str(run_dir / "lora_models")]
     env = _server_env(home)
     env["TINKER_LOCAL_READY_FILE"] = str(ready_file)
+    env["TINKER_LOCAL_MAX_CONTEXT"] = str(max_context or tinker_context_window(model))
     started = time.monotonic()
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -469,6 +471,19 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
     (run_dir / "server.json").write_text(json.dumps(
         {"base_url": base_url, "pid": proc.pid, "model": model}, indent=1))
     return Server(proc, base_url, run_dir, home, model, time.monotonic() - started)
+
+
+def tinker_context_window(model: str) -> int:
+    """The context window Tinker lists for `model` (so a script's context check is rehearsed
+    against the real limit), from tinker_pricing.py beside this file when it knows the model."""
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import tinker_pricing
+        return tinker_pricing.resolve_model(model)["context"] or DEFAULT_CONTEXT
+    except Exception:  # not beside us, or a name the catalogue does not know
+        return DEFAULT_CONTEXT
+    finally:
+        sys.path.pop(0)
 
 
 def _healthy(base_url: str) -> bool:
@@ -496,7 +511,8 @@ def _start_from_args(args) -> Server:
     say(BANNER.format(model=args.model))
     return start_server(args.model, args.port, venv=args.venv, home=args.home, run_dir=args.run_dir,
                         ready_timeout=args.ready_timeout, weights=args.weights,
-                        max_lora_adapters=args.max_lora_adapters, max_lora_rank=args.max_lora_rank)
+                        max_lora_adapters=args.max_lora_adapters, max_lora_rank=args.max_lora_rank,
+                        max_context=args.max_context)
 
 
 def cmd_serve(args) -> int:
@@ -593,6 +609,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="adapter slots; one per live training client (default %(default)s)")
     serving.add_argument("--max-lora-rank", type=int, default=MAX_LORA_RANK,
                          help="largest LoRA rank accepted (default %(default)s)")
+    serving.add_argument("--max-context", type=int, default=None,
+                         help="context window get_server_capabilities reports for --model (default: "
+                              f"Tinker's, from tinker_pricing.py's catalogue, else {DEFAULT_CONTEXT})")
     p = sub.add_parser("serve", parents=[common, serving],
                        help="start a server, print its environment, stay in the foreground")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of export lines")
@@ -758,6 +777,17 @@ def apply_api_shims(api) -> None:
         return {}
 
     route("/api/v1/sessions/{session_id}/finish", finish_session, session_id=str)
+
+    # Context window: SDK 0.38 scripts check prompts against SupportedModel.max_context_length
+    # (Tinker reports it); skyrl reports only the name. Report Tinker's window for the name.
+    async def capabilities_with_context(request):
+        name = request.app.state.engine_config.base_model
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True,
+                                      "max_context_length": int(os.environ["TINKER_LOCAL_MAX_CONTEXT"])}]}
+
+    capabilities_with_context.__annotations__ = {"request": Request}
+    app.get("/api/v1/get_server_capabilities")(capabilities_with_context)
+    app.router.routes.insert(0, app.router.routes.pop())
 
     # Run ids: SDK 0.38 names a client restored from a checkpoint "{session_id}:train:{n}" (the
     # id our load_weights shim creates), but skyrl's checkpoint routes accept only
@@ -1003,6 +1033,8 @@ def gaps_still_open() -> dict[str, bool]:
         "prompt_logprobs_without_leading_none": "[None" not in inspect.getsource(JaxBackendImpl.sample),
         "restored_run_ids_rejected_by_checkpoint_routes": __import__("re").fullmatch(
             api.ID_PATTERN, "session_0:train:1") is None and any("{unique_id}" in p for p in paths if p),
+        "capabilities_without_context_window": "max_context_length" not in inspect.getsource(
+            api.get_server_capabilities),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
     }
