@@ -38,6 +38,9 @@ the calls, shapes, checkpoints and control flow are the real ones.
   - no billing, pricing, sessions-list, publish or TTL endpoints, no `list_user_checkpoints`
     (so `tinker checkpoint list` needs `--run-id`);
   - model ids look like `model_xxxxxxxx` (or `session_...:train:N` after a restore);
+  - capabilities report Tinker's context window for the served name (`--max-context`), but
+    the server itself enforces none;
+  - sampler checkpoints take adapter slots too (the 3 most recently sampled stay loaded);
   - XLA compiles once per sequence-length bucket and sampling shape: keep shapes few.
 
 **Exit codes:** 0 ok · 1 setup step, server start or runtime failure (the message names the
@@ -48,8 +51,12 @@ Internals: the same file is re-entered by the server venv's python as the API pr
 those parts import SkyRL and patch it in memory (`shim_typing`, `apply_api_shims`,
 `apply_engine_shims`): the four gaps to SDK 0.38 the research notes list (Python 3.11 start-up,
 `sample_sequence_ids`, create-from-state, `loss:sum`) plus the engine launch without `uv`,
-`.../sampler_weights/NAME` paths, the `sessions/{id}/finish` route and adapter slots of
-sessions that end before their first heartbeat. `_server gaps` reports which gaps are open.
+`.../sampler_weights/NAME` paths, the `sessions/{id}/finish` route, adapter slots of
+sessions that end before their first heartbeat, gradients a deleted model leaves in its slot
+(they leaked into the next model's first step), sampler checkpoints served from their own
+slots (sampleable after their run ends; sampling no longer overwrites the training adapter),
+the leading `None` of prompt logprobs, restored run ids on checkpoint routes, and the context
+window in capabilities. `_server gaps` reports which gaps are open.
 """
 from __future__ import annotations
 
