@@ -298,10 +298,9 @@ def tinker_failure(e: Exception, what: str, model: str | None = None) -> Fail:
         return Fail(EXIT_NO_ACCESS, f"{what}: cannot reach {base} ({message}); next: check the network or TINKER_BASE_URL")
     lowered = message.lower()
     if "not loaded" in lowered:
-        return Fail(EXIT_FAILURE, f"{what}: the server has unloaded the training model behind {model} ({message}); "
-                                  f"the local backend (SkyRL) serves a sampler checkpoint only while its training "
-                                  f"client is alive, hosted Tinker has no such limit; next: sample inside the "
-                                  f"training session, or rehearse with a live run")
+        return Fail(EXIT_FAILURE, f"{what}: the server no longer has the model behind {model} loaded ({message}); "
+                                  f"next: sample a sampler_weights/ checkpoint of it (tinker_infer.py checkpoints "
+                                  f"list), or restore its last save_state path")
     if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
         hint = "tinker_infer.py checkpoints list"
         parsed = parse_tinker_path(model) if model and model.startswith("tinker://") else None

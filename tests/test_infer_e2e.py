@@ -32,9 +32,6 @@ with tinker.ServiceClient() as service:
     state = tc.save_state("final").result().path
     sampler = tc.save_weights_for_sampler("final").result().path
     print(json.dumps({"state_path": state, "sampler_path": sampler, "model_id": tc.model_id}), flush=True)
-    # The local backend samples a checkpoint only while its training model is loaded: keep the
-    # session alive (heartbeats) until the tests close stdin.
-    sys.stdin.read()
 """
 
 LOGPROBS = r"""
@@ -62,17 +59,10 @@ def infer(local_tinker, *args, timeout=600):
 
 @pytest.fixture(scope="module")
 def trained(local_tinker):
-    """One LoRA run trained 4 steps on the local backend with the raw SDK: both checkpoint kinds."""
-    proc = subprocess.Popen([sys.executable, "-c", TRAIN, str(local_tinker.tokenizer_dir), local_tinker.model,
-                             TRAIN_TEXT], env={**os.environ, **local_tinker.env}, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(timeout=60)
-        pytest.fail(f"training on the local backend failed: {proc.stderr.read()[-3000:]}")
-    yield json.loads(line)
-    proc.stdin.close()
-    proc.wait(timeout=120)
+    """One LoRA run trained 4 steps on the local backend with the raw SDK: both checkpoint kinds.
+    The process has ended (its session closed) before any test samples its checkpoints, as
+    after a finished training run."""
+    return python(local_tinker, TRAIN, str(local_tinker.tokenizer_dir), local_tinker.model, TRAIN_TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -224,9 +214,10 @@ def test_merged_model_matches_the_servers_logprobs(local_tinker, trained, export
     assert code == 0, result
     ids = tokenizer.encode("The quick brown fox jumps over the lazy cat, and then it sleeps.")
     server = python(local_tinker, LOGPROBS, trained["sampler_path"], json.dumps(ids))
-    # Tinker returns one entry per prompt token with None first; SkyRL 0.4.0 omits that None.
-    server = server[1:] if len(server) == len(ids) else server
-    assert len(server) == len(ids) - 1 and None not in server
+    # One entry per prompt token with None first, as on Tinker (the local backend's shim adds it).
+    assert len(server) == len(ids) and server[0] is None
+    server = server[1:]
+    assert None not in server
 
     def local_logprobs(model_dir):
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
