@@ -78,6 +78,7 @@ from __future__ import annotations
 import argparse
 import base64
 import concurrent.futures
+import contextlib
 import datetime as dt
 import difflib
 import hashlib
@@ -421,15 +422,59 @@ def load_tokenizer(name_or_path: str | None, sampling_client):
         log(f"warning: tokenizer folder {name_or_path} not found from here; using the base model's tokenizer "
             f"(pass --tokenizer DIR to choose)")
         name_or_path = None
+    from transformers import AutoTokenizer
+
+    name = name_or_path or sampling_client.get_base_model()
+    next_step = ("next: pass --tokenizer DIR (a folder with tokenizer.json and the chat template), or download "
+                 "it once and run with HF_HUB_OFFLINE=1")
+    if Path(name).is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(name)
+        except Exception as e:
+            raise Fail(EXIT_USAGE, f"cannot load the tokenizer {name} ({first_line(e)}); {next_step}")
+    # The SDK's get_tokenizer() name rules, then the Hugging Face cache with no network, then the hub once
+    # if one short connection to it opens: an offline machine otherwise spends ~50 s in retries.
+    hub_id, kwargs = name.split(":", 1)[0], {}
+    if hub_id.startswith("meta-llama/Llama-3"):
+        hub_id = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # the ungated copy the SDK uses
+    elif hub_id.count("/") == 2:
+        hub_id = hub_id.rsplit("/", 1)[0]
+    if hub_id.startswith("moonshotai/Kimi-K"):
+        kwargs["trust_remote_code"] = True
+    with contextlib.suppress(Exception):
+        return AutoTokenizer.from_pretrained(hub_id, local_files_only=True, **kwargs)
+    failed = f"cannot load the tokenizer {hub_id}: not in the Hugging Face cache and "
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise Fail(EXIT_USAGE, failed + f"HF_HUB_OFFLINE=1 forbids the hub; {next_step}")
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise Fail(EXIT_USAGE, failed + f"the hub is unreachable ({unreachable}); {next_step}")
     try:
-        if name_or_path:
-            from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(name_or_path)
-        return sampling_client.get_tokenizer()
+        return AutoTokenizer.from_pretrained(hub_id, **kwargs)
     except Exception as e:
-        raise Fail(EXIT_USAGE, f"cannot load the tokenizer {name_or_path or sampling_client.get_base_model()} "
-                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); next: pass --tokenizer DIR "
-                               f"(a folder with tokenizer.json and the chat template)")
+        raise Fail(EXIT_USAGE, f"cannot load the tokenizer {hub_id} from the hub ({first_line(e)}); {next_step}")
+
+
+def first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why one TCP connection to the hub (HF_ENDPOINT, or the proxy for it) fails, or None if it opens."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or type(e).__name__}"
+    return None
 
 
 def format_stop_ids(fmt: dict, tokenizer) -> list[int]:

@@ -326,24 +326,56 @@ def _frozen_clock(date_iso):
         mod.datetime = real
 
 
-def load_tokenizer(name_or_path):
+def load_tokenizer(name_or_path: str):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+
+    The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
+    to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
         return AutoTokenizer.from_pretrained(name_or_path)
-    name = name_or_path.split(":", 1)[0]
+    name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
     kwargs = {}
     if name.startswith("meta-llama/Llama-3"):
-        name = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # the ungated copy the SDK uses
+        name = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # ungated copy the SDK uses
     elif name.count("/") == 2:
-        name = name.rsplit("/", 1)[0]
+        name = name.rsplit("/", 1)[0]  # org/model/variant -> org/model
     if name.startswith("moonshotai/Kimi-K"):
         kwargs["trust_remote_code"] = True
+    with contextlib.suppress(Exception):
+        return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
+    failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
+    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+                 "HF_HUB_OFFLINE=1")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(failed + f"the hub is unreachable ({unreachable})" + next_step)
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)
-    except Exception as e:
-        raise DataError(f"cannot load the tokenizer for {name_or_path!r} ({type(e).__name__}); pass "
-                        "--tokenizer PATH (a folder with tokenizer.json) to run offline") from None
+    except Exception as e:  # gated, misspelt, network lost: all end the same way for the user
+        raise DataError(f"cannot load the tokenizer for {name_or_path!r} from the hub ({type(e).__name__})"
+                        + next_step) from None
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why one TCP connection to the hub (HF_ENDPOINT, or the proxy for it) fails, or None if it opens."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or type(e).__name__}"
+    return None
 
 
 def render_text(tokenizer, fmt, messages, tools=None, add_generation_prompt=True):
@@ -814,7 +846,9 @@ def prepare(args):
     tasks = list(env["tasks"])
     if not tasks:
         raise DataError(f"the task list of --env {args.env} is empty; fill TASKS in the EDIT ME block")
+    # A folder is recorded absolute so tinker_infer.py --run finds it from any directory; hub names as given.
     tokenizer_name = args.tokenizer or args.model_name
+    tokenizer_name = os.path.abspath(tokenizer_name) if os.path.isdir(tokenizer_name) else tokenizer_name
     tokenizer = load_tokenizer(tokenizer_name)
     prompts = []
     for i, task in enumerate(tasks):

@@ -264,8 +264,17 @@ def has_reasoning(message):
 # Tokenizer and format
 
 
+def tokenizer_record(name_or_path: str) -> str:
+    """An existing folder as an absolute path, so tinker_infer.py --run finds it from any directory;
+    a hub name unchanged."""
+    return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
+
+
 def load_tokenizer(name_or_path: str):
-    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules."""
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+
+    The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
+    to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -278,13 +287,39 @@ def load_tokenizer(name_or_path: str):
         name = name.rsplit("/", 1)[0]  # org/model/variant -> org/model
     if name.startswith("moonshotai/Kimi-K"):
         kwargs["trust_remote_code"] = True
+    with contextlib.suppress(Exception):
+        return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
+    failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
+    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+                 "HF_HUB_OFFLINE=1")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(failed + f"the hub is unreachable ({unreachable})" + next_step)
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)
-    except Exception as e:  # offline, gated, misspelt: all end the same way for the user
-        raise DataError(
-            f"cannot load the tokenizer for {name_or_path!r} ({type(e).__name__}); "
-            "pass --tokenizer PATH (a folder with tokenizer.json) to run offline"
-        ) from None
+    except Exception as e:  # gated, misspelt, network lost: all end the same way for the user
+        raise DataError(f"cannot load the tokenizer for {name_or_path!r} from the hub ({type(e).__name__})"
+                        + next_step) from None
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why one TCP connection to the hub (HF_ENDPOINT, or the proxy for it) fails, or None if it opens."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or type(e).__name__}"
+    return None
 
 
 def chat_format(tokenizer, *, name: str, thinking: bool = False) -> dict:
@@ -779,6 +814,8 @@ def check_resume_config(log, config):
     saved = json.loads((log / "config.json").read_text()) if (log / "config.json").exists() else {}
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
              for k in RESUME_KEYS if k in saved and saved.get(k) != config.get(k)]
+    if saved.get("format", {}).get("tokenizer"):  # runs recorded before folders were made absolute
+        saved["format"]["tokenizer"] = tokenizer_record(saved["format"]["tokenizer"])
     if saved.get("format") and saved["format"] != config["format"]:
         diffs.append("format (tokenizer, template or --format/--thinking)")
     if diffs:
@@ -1025,7 +1062,7 @@ def main(argv=None):
     if args.init_from:
         check_tinker_path(args.init_from, "weights")
 
-    tokenizer_name = args.tokenizer or args.model_name
+    tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
     tokenizer = load_tokenizer(tokenizer_name)
     fmt = resolve_format(args, tokenizer, tokenizer_name)
 

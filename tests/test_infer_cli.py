@@ -285,3 +285,31 @@ def test_raw_prompt_matches_the_sft_scripts_generation_prompt(offline_tokenizer)
     for row in ({"prompt": "Once upon a time"}, {"messages": CONVERSATION}):
         expected = tinker_sft.generation_prompt(row.get("messages") or row["prompt"], tokenizer, fmt)
         assert tinker_infer.render_prompt(row, fmt, tokenizer) == expected
+
+
+def test_an_unreachable_hub_fails_in_seconds_naming_both_ways_to_run_offline(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TINKER_"))}
+    env.update(HF_HOME=str(tmp_path / "empty-hf"), HF_ENDPOINT=f"http://127.0.0.1:{closed}",
+               PYTHONPATH=os.path.dirname(tinker_infer.__file__))
+    # The base model's name comes from the sampling client; no server is needed to reach the tokenizer.
+    code = ("import types, tinker_infer\n"
+            "client = types.SimpleNamespace(get_base_model=lambda: 'Qwen/Qwen3-8B:peft:131072')\n"
+            "try:\n    tinker_infer.load_tokenizer(None, client)\n"
+            "except tinker_infer.Fail as e:\n    print(e.code, e)\n")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    elapsed = time.monotonic() - started
+    assert elapsed < 20, f"took {elapsed:.1f} s"  # the SDK's get_tokenizer() retried for ~50 s
+    assert out.stdout.strip() == (
+        "2 cannot load the tokenizer Qwen/Qwen3-8B: not in the Hugging Face cache and the hub is unreachable "
+        f"(127.0.0.1:{closed}: Connection refused); next: pass --tokenizer DIR (a folder with tokenizer.json and "
+        "the chat template), or download it once and run with HF_HUB_OFFLINE=1"), out.stderr

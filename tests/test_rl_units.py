@@ -381,3 +381,45 @@ def test_reasoning_models_get_a_4096_token_turn_budget_by_default():
         args = tinker_rl.parse_args(["--model-name", model])
         tinker_rl.validate_args(args)
         assert args.max_tokens == expected
+
+
+# ---------------------------------------------------------------- tokenizer record and an unreachable hub
+
+
+def test_a_relative_tokenizer_folder_is_recorded_absolute(qwen):
+    folder = Path(qwen[2])
+    out = run_cli("--dry-run", "--tokenizer", folder.name, cwd=folder.parent)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["format"]["tokenizer"] == os.path.join(os.path.realpath(folder.parent),
+                                                                         folder.name)
+
+
+def test_an_unreachable_hub_fails_in_seconds_naming_both_ways_to_run_offline(tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TINKER_"))}
+    env.update(HF_HOME=str(tmp_path / "empty-hf"), HF_ENDPOINT=f"http://127.0.0.1:{closed}")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 2 and out.stdout == ""
+    assert elapsed < 20, f"took {elapsed:.1f} s"  # huggingface_hub's retries took ~50 s
+    error = out.stderr.strip().splitlines()[-1]
+    assert error == ("error: cannot load the tokenizer for 'Qwen/Qwen3-8B': Qwen/Qwen3-8B is not in the Hugging "
+                     f"Face cache and the hub is unreachable (127.0.0.1:{closed}: Connection refused); pass "
+                     "--tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+                     "HF_HUB_OFFLINE=1")
+
+
+def test_the_tokenizer_loader_is_the_sft_scripts(qwen):
+    import inspect
+
+    import tinker_sft
+
+    for name in ("load_tokenizer", "hub_unreachable"):
+        assert inspect.getsource(getattr(tinker_rl, name)) == inspect.getsource(getattr(tinker_sft, name))

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -375,3 +376,63 @@ def test_resume_reads_the_last_saved_row_and_ignores_a_torn_line(tmp_path):
     (log / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"name": "0000')
     args = sft.parse_args(["--log-path", str(log), "--resume"])
     assert sft.check_log_dir(log, args)["next_batch"] == 4
+
+
+# ---- tokenizer: recorded so it loads from anywhere, and no long wait when the hub is out of reach ----
+
+
+def closed_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_relative_tokenizer_folder_is_recorded_absolute(tmp_path, qwen3_path):
+    folder = Path(qwen3_path)
+    out = run("--data", str(EXAMPLE), "--tokenizer", os.path.join(".", folder.name), "--dry-run",
+              "--log-path", str(tmp_path / "run"), cwd=folder.parent)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["format"]["tokenizer"] == os.path.join(os.path.realpath(folder.parent), folder.name)
+    assert sft.tokenizer_record("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # a hub name as given
+
+
+def test_resume_accepts_a_run_that_recorded_the_same_folder_relative(tmp_path, qwen3_path, monkeypatch):
+    folder = Path(qwen3_path)
+    monkeypatch.chdir(folder.parent)
+    fmt = {"kind": "chat", "tokenizer": os.path.join(os.getcwd(), folder.name), "stop": [151645]}
+    (tmp_path / "config.json").write_text(json.dumps({"format": {**fmt, "tokenizer": folder.name}}))
+    sft.check_resume_config(tmp_path, {"format": fmt})  # no DataError
+    with pytest.raises(sft.DataError, match="format"):
+        sft.check_resume_config(tmp_path, {"format": {**fmt, "stop": [1]}})
+
+
+def test_an_unreachable_hub_fails_in_seconds_naming_both_ways_to_run_offline(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TINKER_"))}
+    env.update(HF_HOME=str(tmp_path / "empty-hf"), HF_ENDPOINT=f"http://127.0.0.1:{closed_port()}",
+               TINKER_TELEMETRY="0")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(SCRIPT), "--data", str(EXAMPLE), "--dry-run"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 2 and out.stdout == ""
+    assert elapsed < 20, f"took {elapsed:.1f} s"  # huggingface_hub's retries took ~50 s
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: cannot load the tokenizer for 'Qwen/Qwen3-8B'")
+    assert "hub is unreachable" in error and "--tokenizer" in error and "HF_HUB_OFFLINE=1" in error
+    assert "Retrying" not in out.stderr
+
+
+def test_hf_hub_offline_without_a_cached_tokenizer_names_the_fix_without_a_connection(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TINKER_"))}
+    env.update(HF_HOME=str(tmp_path / "empty-hf"), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--data", str(EXAMPLE), "--dry-run",
+                          "--model-name", "meta-llama/Llama-3.1-8B-Instruct"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: cannot load the tokenizer for 'meta-llama/Llama-3.1-8B-Instruct': "
+        "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer is not in the Hugging Face cache and "
+        "HF_HUB_OFFLINE=1 forbids the hub; pass --tokenizer PATH (a folder with tokenizer.json), or download it "
+        "once and run with HF_HUB_OFFLINE=1")
