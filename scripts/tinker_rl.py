@@ -777,8 +777,9 @@ def load_pricing():
         return None
 
 
-def estimate(args, avg_prompt, turns, context=None):
-    """Dollar estimate of the whole run (completions counted at --max-tokens: an upper bound)."""
+def estimate(args, avg_prompt, turns, context=None, start=0):
+    """Dollar estimate of iterations start..--iterations, i.e. what a --resume has left to pay for
+    (completions counted at --max-tokens: an upper bound)."""
     pricing = load_pricing()
     if pricing is None:
         note = "no dollar estimate: tinker_pricing.py is not beside this script"
@@ -786,10 +787,12 @@ def estimate(args, avg_prompt, turns, context=None):
             raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
         print(note, file=sys.stderr)
         return None
-    tokens = pricing.rl_tokens(args.iterations, args.batch_size, args.group_size, avg_prompt, args.max_tokens,
+    remaining = max(0, args.iterations - start)
+    tokens = pricing.rl_tokens(remaining, args.batch_size, args.group_size, avg_prompt, args.max_tokens,
                                turns=turns, avg_observation=64 if turns > 1 else 0)
+    label = "rl" if not start else f"rl, remaining {remaining} of {args.iterations} iterations after --resume"
     try:
-        return pricing.preflight(args.model_name, tokens, args.max_usd, label="rl", context=context)
+        return pricing.preflight(args.model_name, tokens, args.max_usd, label=label, context=context)
     except pricing.BudgetExceeded as e:
         raise BudgetError(str(e)) from None
     except (pricing.UnknownModelError, ValueError) as e:
@@ -923,7 +926,7 @@ def main(argv=None):
     config.update(loss_fn_config=config_loss, context_window=context_window, n_tasks=len(tasks), format=fmt)
     log, resume_row = prepare_log(args, config)
     start = resume_row["next_iteration"] if resume_row else 0
-    estimate(args, avg_prompt, turns, context_window)
+    estimate(args, avg_prompt, turns, context_window, start)
     (log / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     if resume_row:
@@ -963,14 +966,15 @@ def main(argv=None):
             except Exception as e:
                 where = (f"the last checkpoint is {read_rows(log / 'checkpoints.jsonl')[-1]['state_path']}"
                          if (log / "checkpoints.jsonl").exists() else "no checkpoint was saved yet")
+                # SDK 0.38 poisons a TrainingClient only when forward_backward_custom fails; a rejected
+                # loss (dro, gspo) leaves it usable. The run stops anyway: the same loss would be rejected
+                # again, and a failure mid-run is safer resumed from the last checkpoint than trained past.
                 if is_rejection(e) and it == start and args.loss_fn != "importance_sampling":
                     others = "|".join(x for x in LOSS_FNS if x != args.loss_fn)
                     raise DataError(f"the server rejected --loss-fn {args.loss_fn} ({describe_failure(e)}); "
-                                    f"the training client is poisoned, so the run stops here ({where}). "
-                                    f"Rerun with --loss-fn {others}") from None
+                                    f"the run stops here ({where}). Rerun with --loss-fn {others}") from None
                 raise RLError(f"forward_backward/optim_step failed at iteration {it} ({describe_failure(e)}); "
-                              f"the training client is poisoned, so the run stops here ({where}); "
-                              "rerun with --resume") from None
+                              f"the run stops here ({where}); rerun with --resume") from None
             train_seconds = time.time() - t3
             fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
                           **kl_metrics(datums, masks, result.loss_fn_outputs)}

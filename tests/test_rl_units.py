@@ -423,3 +423,15 @@ def test_the_tokenizer_loader_is_the_sft_scripts(qwen):
 
     for name in ("load_tokenizer", "hub_unreachable"):
         assert inspect.getsource(getattr(tinker_rl, name)) == inspect.getsource(getattr(tinker_sft, name))
+
+
+def test_a_resumed_run_prices_only_the_iterations_left(capsys):
+    args = tinker_rl.parse_args(["--iterations", "10", "--max-tokens", "32"])
+    whole = tinker_rl.estimate(args, 100.0, 1)
+    rest = tinker_rl.estimate(args, 100.0, 1, start=7)
+    assert whole["tokens"]["sample"] == 10 * 8 * 4 * 32
+    assert rest["tokens"]["sample"] == 3 * 8 * 4 * 32 and rest["tokens"]["train"] * 10 == whole["tokens"]["train"] * 3
+    assert rest["usd"]["total"] == pytest.approx(whole["usd"]["total"] * 3 / 10)
+    first, second = capsys.readouterr().err.strip().splitlines()
+    assert first.startswith("cost estimate (rl: Qwen/Qwen3-8B, catalogue ")
+    assert second.startswith("cost estimate (rl, remaining 3 of 10 iterations after --resume: Qwen/Qwen3-8B, ")
