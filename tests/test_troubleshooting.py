@@ -1,0 +1,218 @@
+"""Every error text quoted in references/troubleshooting.md is what SDK 0.38 really raises.
+
+Each probe makes the mistake the row describes against the local backend (or offline, for the
+client-side checks) and asserts that the quoted text is a substring of the raised message, so
+a changed text fails the build. One training client is shared to keep the file fast.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "references" / "troubleshooting.md"
+TOKENS = list(range(100, 116))  # one 15-token datum shape for every training probe
+# Quoted texts the suite does not re-raise, with why (each is named in the document itself).
+NOT_REPRODUCED = {
+    "Checkpoint 'dup' already exists for model": "the SDK retries a 409 for 5 minutes first",
+    "No progress made in 7200.0s. Requests appear to be stuck.": "needs a stuck server for 2 hours",
+    "the server rejected --loss-fn dro": "asserted by tests/test_rl_e2e.py",
+    "the base policy ties every group": "asserted by tests/test_rl_e2e.py",
+}
+
+
+def quoted_texts() -> list[str]:
+    """The second column's code spans of every table row: the exact texts the doc promises."""
+    texts = []
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not line.startswith("|") or set(cells[0]) <= {"-", " "}:
+            continue
+        m = re.fullmatch(r"(`+)\s?(.*?)\s?\1", cells[1])
+        if m:
+            texts.append(m.group(2))
+    return texts
+
+
+def raised(fn) -> str:
+    with pytest.raises(Exception) as info:
+        fn()
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def datum() -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+                       loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * 15})
+
+
+def rl_datum() -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(TOKENS[1:]),
+                                       "logprobs": np.zeros(15, dtype=np.float32),
+                                       "advantages": np.ones(15, dtype=np.float32)})
+
+
+@pytest.fixture(scope="module")
+def service(local_tinker):
+    sc = tinker.ServiceClient(base_url=local_tinker.base_url, api_key="tml-local")
+    yield sc
+    sc.close("success").result()
+
+
+@pytest.fixture(scope="module")
+def trained(service):
+    """One training client, with a weights/ and a sampler_weights/ checkpoint."""
+    tc = service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
+    state = tc.save_state("state").result().path
+    sampler = tc.save_weights_for_sampler("sampler").result().path
+    return tc, state, sampler
+
+
+def test_every_quoted_text_is_reproduced_here_or_named_as_not(request):
+    texts = quoted_texts()
+    assert len(texts) >= 18
+    probes = [v for k, v in globals().items() if k.startswith("test_") and hasattr(v, "texts")]
+    proved = {t for p in probes for t in p.texts}
+    missing = [t for t in texts if t not in proved and t not in NOT_REPRODUCED]
+    assert missing == []
+    assert set(NOT_REPRODUCED) <= set(texts)
+
+
+def proves(*texts):
+    """Marks a probe with the doc texts it asserts; each must be quoted in the document."""
+    def wrap(fn):
+        fn.texts = texts
+        return fn
+    return wrap
+
+
+def check(message: str, text: str) -> None:
+    assert text in quoted_texts(), f"not quoted in troubleshooting.md: {text}"
+    assert text in message
+
+
+# ------------------------------------------------------------------ client-side checks (offline)
+
+@proves("The api_key client option must be set by passing api_key to the client, by setting the "
+        "TINKER_API_KEY environment variable, or by storing a key with `tinker auth login`",
+        "The api_key must start with the 'tml-' prefix")
+def test_missing_key_and_key_without_tml_prefix_fail_before_any_request(monkeypatch, tmp_path):
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.tinker/credentials.json
+    url = "http://127.0.0.1:9"  # nothing listens: the check happens before any request
+    msg = raised(lambda: tinker.ServiceClient(base_url=url).create_lora_training_client(
+        base_model="Qwen/Qwen3-8B").result())
+    assert msg.startswith("TinkerError: ")
+    check(msg, test_missing_key_and_key_without_tml_prefix_fail_before_any_request.texts[0])
+    msg = raised(lambda: tinker.ServiceClient(base_url=url, api_key="sk-abc").create_lora_training_client(
+        base_model="Qwen/Qwen3-8B").result())
+    check(msg, "The api_key must start with the 'tml-' prefix")
+
+
+# ------------------------------------------------------------------ against the local backend
+
+@pytest.mark.e2e
+@proves("model_path must start with 'tinker://'")
+def test_sampling_a_path_that_is_not_a_tinker_path(service):
+    msg = raised(lambda: service.create_sampling_client(model_path="runs/my-sft").result())
+    assert msg.startswith("ValueError: ")
+    check(msg, "model_path must start with 'tinker://'")
+
+
+@pytest.mark.e2e
+@proves("Input should be 'cross_entropy', 'importance_sampling', 'ppo', 'gspo', 'cispo', 'ppo_critic' or 'dppo'",
+        "Loss functions ['gspo'] are not supported by the JAX backend",
+        "'ForwardBackwardOutput' object has no attribute 'loss'",
+        "A previous request failed; this TrainingClient is poisoned and cannot accept further requests.")
+def test_rejected_losses_leave_the_client_usable_but_a_failed_custom_loss_poisons_it(service, trained):
+    tc, _, _ = trained
+    msg = raised(lambda: tc.forward_backward([rl_datum()], "dro", {"beta": 0.05}).result())
+    assert msg.startswith("UnprocessableEntityError: ") and "422" in msg
+    check(msg, "Input should be 'cross_entropy', 'importance_sampling', 'ppo', 'gspo', 'cispo', 'ppo_critic' or 'dppo'")
+    msg = raised(lambda: tc.forward_backward([rl_datum()], "gspo").result())
+    check(msg, "Loss functions ['gspo'] are not supported by the JAX backend")
+    out = tc.forward_backward([datum()], "cross_entropy").result()  # not poisoned by either
+    assert out.metrics["loss:sum"] > 0
+    check(raised(lambda: out.loss), "'ForwardBackwardOutput' object has no attribute 'loss'")
+
+    # A separate client: poisoning is permanent.
+    doomed = service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
+
+    def failing_loss(data, logprobs):
+        raise ValueError("bug in my loss")
+
+    assert raised(lambda: doomed.forward_backward_custom([datum()], failing_loss).result()) == \
+        "ValueError: bug in my loss"
+    msg = raised(lambda: doomed.forward_backward([datum()], "cross_entropy").result())
+    assert msg.startswith("RuntimeError: ")
+    check(msg, "A previous request failed; this TrainingClient is poisoned and cannot accept further requests.")
+
+
+@pytest.mark.e2e
+@proves("LoRA rank 64 must be between 1 and 32")
+def test_lora_rank_above_the_servers_maximum(service):
+    msg = raised(lambda: service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=64).result())
+    check(msg, "LoRA rank 64 must be between 1 and 32")
+
+
+@pytest.mark.e2e
+@proves("model_path must be tinker://model_id/checkpoint_id or tinker://model_id/sampler_weights/checkpoint_id",
+        "path must be tinker://<model_id>/weights/<name>")
+def test_each_checkpoint_kind_given_where_the_other_is_needed(service, trained):
+    _, state, sampler = trained
+    assert "/weights/" in state and "/sampler_weights/" in sampler
+    msg = raised(lambda: service.create_sampling_client(model_path=state).result().sample(
+        types.ModelInput.from_ints(TOKENS), 1, types.SamplingParams(max_tokens=4)).result())
+    assert msg.startswith("BadRequestError: ")
+    check(msg, "model_path must be tinker://model_id/checkpoint_id or tinker://model_id/sampler_weights/checkpoint_id")
+    msg = raised(lambda: service.create_training_client_from_state_with_optimizer(sampler).result())
+    check(msg, "path must be tinker://<model_id>/weights/<name>")
+
+
+@pytest.mark.e2e
+@proves("max_tokens is currently required",
+        "topk_prompt_logprobs is not supported by the JAX backend",
+        "Engine is configured for 'Qwen/Qwen3-8B' but request specified",
+        "RESOURCE_EXHAUSTED: Out of memory allocating")
+def test_sampling_mistakes(service, trained):
+    _, _, sampler_path = trained
+    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    prompt = types.ModelInput.from_ints(TOKENS)
+    msg = raised(lambda: sampler.sample(prompt, 1, types.SamplingParams()).result())
+    check(msg, "max_tokens is currently required")
+    msg = raised(lambda: sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4), include_prompt_logprobs=True,
+                                        topk_prompt_logprobs=5).result())
+    check(msg, "topk_prompt_logprobs is not supported by the JAX backend")
+    other = service.create_sampling_client(base_model="meta-llama/Llama-3.1-8B").result()
+    msg = raised(lambda: other.sample(prompt, 1, types.SamplingParams(max_tokens=4)).result())
+    check(msg, "Engine is configured for 'Qwen/Qwen3-8B' but request specified")
+    # 40,000 tokens: the tiny model's attention would need ~125 GB, so XLA refuses before allocating.
+    msg = raised(lambda: sampler.sample(types.ModelInput.from_ints([100] * 40000), 1,
+                                        types.SamplingParams(max_tokens=4)).result())
+    check(msg, "RESOURCE_EXHAUSTED: Out of memory allocating")
+
+
+# ------------------------------------------------------------------ the bundle's scripts
+
+@pytest.mark.e2e
+@proves("error: no Tinker credentials: set TINKER_API_KEY (tml-...), or audit for free with --dry-run, "
+        "or rehearse offline against the local backend (scripts/tinker_local.py)")
+def test_sft_without_a_key_exits_4_with_the_documented_line(local_tinker, tmp_path):
+    env = {k: v for k, v in {**os.environ, **local_tinker.env}.items() if k != "TINKER_API_KEY"}
+    env["HOME"] = str(tmp_path)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_sft.py"),
+                          "--data", str(ROOT / "templates" / "sft_example.jsonl"), "--max-steps", "1",
+                          "--tokenizer", str(local_tinker.tokenizer_dir), "--log-path", str(tmp_path / "run")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 4
+    check(out.stderr.strip().splitlines()[-1],
+          test_sft_without_a_key_exits_4_with_the_documented_line.texts[0])
