@@ -335,6 +335,9 @@ def load_tokenizer(name_or_path: str):
 
     if os.path.isdir(name_or_path):
         return AutoTokenizer.from_pretrained(name_or_path)
+    if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+                        "tokenizer.json) or a hub name")
     name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
     kwargs = {}
     if name.startswith("meta-llama/Llama-3"):

@@ -279,6 +279,9 @@ def load_tokenizer(name_or_path: str):
 
     if os.path.isdir(name_or_path):
         return AutoTokenizer.from_pretrained(name_or_path)
+    if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+                        "tokenizer.json) or a hub name")
     name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
     kwargs = {}
     if name.startswith("meta-llama/Llama-3"):
@@ -837,7 +840,7 @@ def load_pricing():
         return None
 
 
-def estimate(args, tokens, context=None):
+def estimate(args, tokens, context=None, label="sft"):
     """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or unprovable."""
     pricing = load_pricing()
     if pricing is None:
@@ -847,7 +850,7 @@ def estimate(args, tokens, context=None):
         print(note, file=sys.stderr)
         return None
     try:
-        return pricing.preflight(args.model_name, tokens, args.max_usd, label="sft", context=context)
+        return pricing.preflight(args.model_name, tokens, args.max_usd, label=label, context=context)
     except pricing.BudgetExceeded as e:
         raise BudgetError(str(e)) from None
     except (pricing.UnknownModelError, ValueError) as e:
@@ -1106,9 +1109,16 @@ def main(argv=None):
     n_evals = 2 + (total_steps - 1) // args.eval_every if args.eval_every else 2
     eval_tokens = n_evals * sum(len(r.tokens) - 1 for r in test_rendered)
     probes = probe_prompts(test_examples or train_examples, tokenizer, fmt, args.num_probes)
-    cost_tokens = {"train": run_tokens + eval_tokens,
-                   "prefill": 2 * sum(len(p["tokens"]) for p in probes),
-                   "sample": 2 * len(probes) * args.max_tokens}
+    # A --resume pays only for what is left: its steps, its evals, and no "before" eval or probes.
+    start = min(resume_row["next_batch"], total_steps) if resume_row is not None else 0
+    left_tokens = sum(len(train_rendered[i].tokens) - 1 for s in range(start, total_steps)
+                      for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
+    evals_left = (start == 0) + 1 + ((total_steps - 1) // args.eval_every - start // args.eval_every
+                                     if args.eval_every else 0)
+    probe_rounds = 2 if start == 0 else 1
+    cost_tokens = {"train": left_tokens + evals_left * sum(len(r.tokens) - 1 for r in test_rendered),
+                   "prefill": probe_rounds * sum(len(p["tokens"]) for p in probes),
+                   "sample": probe_rounds * len(probes) * args.max_tokens}
     longest_line, longest = max(train_pairs + test_pairs, key=lambda p: len(p[1].tokens))
     summary = {
         "examples": {"train": len(train_examples), "test": len(test_examples),
@@ -1121,7 +1131,9 @@ def main(argv=None):
         "max_length": limit, "learning_rate": lr,
     }
     print_summary(summary, fmt, args)
-    cost = estimate(args, cost_tokens, context=None)
+    cost = estimate(args, cost_tokens, context=None,
+                    label="sft" if not start else f"sft, remaining {total_steps - start} of {total_steps} steps "
+                                                  "after --resume")
 
     config = settings_record(args, fmt, lr, lr_source, limit)
     if args.dry_run:

@@ -436,3 +436,24 @@ def test_hf_hub_offline_without_a_cached_tokenizer_names_the_fix_without_a_conne
         "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer is not in the Hugging Face cache and "
         "HF_HUB_OFFLINE=1 forbids the hub; pass --tokenizer PATH (a folder with tokenizer.json), or download it "
         "once and run with HF_HUB_OFFLINE=1")
+
+
+@pytest.mark.e2e
+def test_a_resumed_run_prices_only_the_steps_left(tmp_path, qwen3_path, local_tinker):
+    """The server is asked only for the context window: --max-usd stops the run before any training."""
+    log = tmp_path / "run"
+    log.mkdir()
+    (log / "checkpoints.jsonl").write_text(json.dumps(
+        {"name": "000004", "step": 4, "next_batch": 4, "state_path": "tinker://r:train:0/weights/000004"}) + "\n")
+    common = ("--data", str(EXAMPLE), "--tokenizer", qwen3_path, "--batch-size", "8", "--epochs", "2",
+              "--max-usd", "0.000001", "--log-path", str(log))
+    env = local_tinker.env
+    whole = run(*common, "--overwrite", "--dry-run", env=env)
+    resumed = run(*common, "--resume", env=env)
+    assert resumed.returncode == 3, resumed.stderr  # over budget: stops before any Tinker call
+    [line] = [x for x in resumed.stderr.splitlines() if x.startswith("cost estimate")]
+    assert line.startswith("cost estimate (sft, remaining 2 of 6 steps after --resume: Qwen/Qwen3-8B")
+    report = json.loads(whole.stdout) if whole.returncode == 0 else None
+    [whole_line] = [x for x in whole.stderr.splitlines() if x.startswith("cost estimate (sft: ")]
+    usd = lambda text: float(text.split("): $")[1].split(" ")[0])  # noqa: E731
+    assert 0 < usd(line) < usd(whole_line) / 2, (line, whole_line, report)
