@@ -92,6 +92,13 @@ def test_ppo_and_cispo_reach_the_server_with_their_clip_thresholds(local_tinker,
     assert losses[("ppo", 1.5)][0] == pytest.approx(-1.5 * n, rel=1e-3)
     cispo_loss, p_c = losses[("cispo", 4.0)]
     assert cispo_loss == pytest.approx(-sum(r * lp for r, lp in zip(ratios, p_c)), rel=1e-3)
+    # SDK 0.38 poisons a client only on a failed forward_backward_custom: after a rejected dro the same
+    # client still trains, which is why tinker_rl.py's error no longer calls it poisoned.
+    with pytest.raises(Exception) as rejected:
+        tc.forward_backward([datum], loss_fn="dro", loss_fn_config={"beta": 0.05}).result()
+    assert tinker_rl.is_rejection(rejected.value), repr(rejected.value)
+    after = tc.forward_backward([datum], loss_fn="importance_sampling").result()
+    assert after.metrics["loss:sum"] == pytest.approx(is_loss, rel=1e-3)
     service.close("success").result()
 
 
@@ -102,7 +109,8 @@ def test_dro_on_the_local_backend_stops_with_a_clear_error(local_tinker, monkeyp
         "--max-tokens", "8", "--iterations", "2", "--log-path", str(tmp_path / "run"))
     assert code == 2 and result is None
     [line] = [x for x in err.splitlines() if x.startswith("error:")]
-    assert "the server rejected --loss-fn dro" in line and "poisoned" in line
+    assert "the server rejected --loss-fn dro" in line and "the run stops here (no checkpoint was saved yet)" in line
+    assert "poisoned" not in line  # SDK 0.38: a rejected loss leaves the client usable
     assert "--loss-fn importance_sampling|ppo|cispo" in line
     assert "Traceback" not in err
 
