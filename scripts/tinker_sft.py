@@ -1143,7 +1143,7 @@ def main(argv=None):
                 for line, r in pairs:
                     f.write(json.dumps({"split": split, "line": line, "tokens": r.tokens, "weights": r.weights,
                                         "trained_text": weighted_spans(tokenizer, r)}) + "\n")
-        emit({"status": "dry-run", "log_path": str(log), **summary, "cost": cost, "format": fmt})
+        emit({"status": "dry_run", "log_path": str(log), **summary, "cost": cost, "format": fmt})
         return 0
 
     if resume_row is not None:

@@ -268,7 +268,7 @@ def test_dry_run_audits_without_tinker_and_writes_datums(tmp_path, qwen3_path):
               "--batch-size", "8", "--epochs", "2", env={"TINKER_API_KEY": "", "TINKER_BASE_URL": "http://127.0.0.1:9"})
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["status"] == "dry-run"
+    assert report["status"] == "dry_run"
     assert report["examples"] == {"train": 31, "test": 3, "dropped": 0}
     assert report["steps"] == 6 and report["batches_per_epoch"] == 3
     assert report["format"]["kind"] == "chat" and report["format"]["stop"] == [151645]
