@@ -51,8 +51,8 @@ Checkpoints:
     merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
                               model's Hugging Face weights (needs torch + peft, an optional
                               extra; install torch first, then `pip install peft safetensors`).
-                              Local backend caveats: a sampler checkpoint samples only while its
-                              training client lives; weights/ export is unavailable there.
+                              Local backend caveats: checkpoints live in that server's run
+                              folder (a new server starts empty); weights/ export is unavailable.
 
 Edit:
     Nothing for the common case. To post-process completions, edit `render_prompt()` (turns
@@ -762,7 +762,7 @@ def cmd_list(args) -> dict:
                 for r in runs:
                     try:
                         checkpoints += rest.list_checkpoints(r.training_run_id).result().checkpoints
-                    except tinker.APIStatusError as e:  # skyrl rejects ids with ':' (restored runs)
+                    except tinker.APIStatusError as e:  # one unreadable run must not hide the rest
                         log(f"warning: skipped run {r.training_run_id}: {str(e).splitlines()[0][:120]}")
     except Fail:
         raise
