@@ -1102,21 +1102,22 @@ def main(argv=None):
         print(f"warning: {len(train_rendered)} training datums < --batch-size {args.batch_size}; "
               f"one batch of {len(train_rendered)} per epoch", file=sys.stderr)
     size = min(args.batch_size, len(train_rendered))
-    run_tokens = sum(len(train_rendered[i].tokens) - 1 for s in range(total_steps)
-                     for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
+    step_tokens = [sum(len(train_rendered[i].tokens) - 1
+                       for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
+                   for s in range(total_steps)]
+    run_tokens = sum(step_tokens)
     trained_tokens = sum(sum(trained_mask(train_rendered[i])) for s in range(total_steps)
                          for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
     n_evals = 2 + (total_steps - 1) // args.eval_every if args.eval_every else 2
-    eval_tokens = n_evals * sum(len(r.tokens) - 1 for r in test_rendered)
+    held_out_tokens = sum(len(r.tokens) - 1 for r in test_rendered)  # one eval's forward pass
+    eval_tokens = n_evals * held_out_tokens
     probes = probe_prompts(test_examples or train_examples, tokenizer, fmt, args.num_probes)
     # A --resume pays only for what is left: its steps, its evals, and no "before" eval or probes.
     start = min(resume_row["next_batch"], total_steps) if resume_row is not None else 0
-    left_tokens = sum(len(train_rendered[i].tokens) - 1 for s in range(start, total_steps)
-                      for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
     evals_left = (start == 0) + 1 + ((total_steps - 1) // args.eval_every - start // args.eval_every
                                      if args.eval_every else 0)
     probe_rounds = 2 if start == 0 else 1
-    cost_tokens = {"train": left_tokens + evals_left * sum(len(r.tokens) - 1 for r in test_rendered),
+    cost_tokens = {"train": sum(step_tokens[start:]) + evals_left * held_out_tokens,
                    "prefill": probe_rounds * sum(len(p["tokens"]) for p in probes),
                    "sample": probe_rounds * len(probes) * args.max_tokens}
     longest_line, longest = max(train_pairs + test_pairs, key=lambda p: len(p[1].tokens))
