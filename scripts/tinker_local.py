@@ -847,11 +847,8 @@ def apply_engine_shims() -> None:
     # gradients in the slot, and the next model given that slot adds them to its first step
     # (measured: losses 453.39 vs 456.57 at step 2 for the same seed and data). Clear on create.
     def create_model_with_clean_gradients(self, model_id, lora_config, model_role="policy"):
-        sampler_slots = self.__dict__.setdefault("sampler_slots", {})  # see below; oldest first
-        full = len(self.models) >= self.config.max_lora_adapters - 1
-        if full and sampler_slots and not model_id.startswith("sampler:"):
-            self.delete_model(oldest := next(iter(sampler_slots)))  # a checkpoint reloads on demand
-            del sampler_slots[oldest]
+        if len(self.models) >= self.config.max_lora_adapters - 1 and not model_id.startswith("sampler:"):
+            unload_sampler_slots(self, keep=len(sampler_slots(self)) - 1)  # training comes first
         create_model(self, model_id, lora_config, model_role=model_role)
         import jax
         import jax.numpy as jnp
@@ -895,6 +892,18 @@ def apply_engine_shims() -> None:
     # overwrites the weights a live training client is training. Tinker serves sampler
     # checkpoints apart from training: give each checkpoint file its own slot, loaded on
     # demand, the least recently used unloaded beyond SAMPLER_SLOTS or when training needs one.
+    def sampler_slots(backend) -> dict:
+        """Backend model ids of loaded sampler checkpoints, least recently sampled first."""
+        return backend.__dict__.setdefault("sampler_slots", {})
+
+    def unload_sampler_slots(backend, keep: int, in_use=()) -> None:
+        """Unload the least recently sampled checkpoints (a checkpoint reloads on demand) until
+        at most `keep` stay, never one in `in_use`."""
+        slots = sampler_slots(backend)
+        for old in [s for s in slots if s not in in_use][:max(0, len(slots) - keep)]:
+            backend.delete_model(old)
+            del slots[old]
+
     def checkpoint_file(self, model_id, checkpoint_id) -> Path:
         return Path(str(self.config.checkpoints_base)) / model_id / "sampler_weights" / f"{checkpoint_id}.tar.gz"
 
@@ -916,7 +925,7 @@ def apply_engine_shims() -> None:
 
     def process_sample_in_checkpoint_slots(self, requests):
         from skyrl.tinker.db_models import ModelDB
-        slots = self.backend.__dict__.setdefault("sampler_slots", {})  # slot id -> None, oldest first
+        slots = sampler_slots(self.backend)
         prepared = engine.prepare_sample_batch(requests, self.config.checkpoints_base)
         in_use = set()
         for i, (model_id, checkpoint_id) in enumerate(zip(prepared.all_model_ids, prepared.all_checkpoint_ids)):
@@ -925,9 +934,7 @@ def apply_engine_shims() -> None:
             file = checkpoint_file(self, model_id, checkpoint_id)
             slot = f"sampler:{model_id}/{checkpoint_id}@{file.stat().st_mtime_ns}"  # a rewrite is new
             if slot not in self.backend.models:
-                for old in [s for s in slots if s not in in_use][:max(0, len(slots) - SAMPLER_SLOTS + 1)]:
-                    self.backend.delete_model(old)
-                    del slots[old]
+                unload_sampler_slots(self.backend, keep=SAMPLER_SLOTS - 1, in_use=in_use)
                 with Session(self.db_engine) as session:
                     row = session.get(ModelDB, model_id)
                 lora_config = types.LoraConfig.model_validate(row.lora_config)
@@ -1009,6 +1016,7 @@ def gaps_still_open() -> dict[str, bool]:
     """For each shim, whether unpatched skyrl still has the gap it bridges (tests assert True:
     a release that closes a gap should retire its shim, one that moves a target should fail)."""
     import inspect
+    import re
     import subprocess as sp
 
     bare = sp.run([sys.executable, "-c", "import skyrl.tinker.types"], capture_output=True, text=True)
@@ -1038,7 +1046,7 @@ def gaps_still_open() -> dict[str, bool]:
         "sampling_a_checkpoint_needs_its_training_model": "self.models[model_id].adapter_index"
             in inspect.getsource(JaxBackendImpl.load_sampler_weights),
         "prompt_logprobs_without_leading_none": "[None" not in inspect.getsource(JaxBackendImpl.sample),
-        "restored_run_ids_rejected_by_checkpoint_routes": __import__("re").fullmatch(
+        "restored_run_ids_rejected_by_checkpoint_routes": re.fullmatch(
             api.ID_PATTERN, "session_0:train:1") is None and any("{unique_id}" in p for p in paths if p),
         "capabilities_without_context_window": "max_context_length" not in inspect.getsource(
             api.get_server_capabilities),
