@@ -1,0 +1,139 @@
+"""The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
+
+Nothing is lost on a crash: rows are appended and fsynced one at a time, config.json is replaced
+atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
+changes until every check that can refuse the run (flags, data, budget) has passed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+from errors import DataError  # splice: drop
+from render import tokenizer_record  # splice: drop
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Run:
+    """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
+    `rewind` and `checkpoint` are the only writers."""
+
+    def __init__(self, path, extra_files=()):
+        self.path = Path(path)
+        self.files = RUN_FILES + tuple(extra_files)
+
+    def file(self, name) -> Path:
+        return self.path / name
+
+    def rows(self, name) -> list[dict]:
+        """Rows of a JSONL file; a torn line (a kill mid-write) is skipped, a missing file is []."""
+        path = self.file(name)
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def append(self, name, row: dict) -> None:
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        path = self.file(name)
+        with open(path, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(row) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_json(self, name, obj) -> None:
+        """Atomic replace: a kill leaves the old file or the new one, never half of one."""
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def config(self) -> dict:
+        try:
+            return json.loads(self.file("config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def holds_run(self) -> bool:
+        return any(self.file(n).exists() for n in ("metrics.jsonl", "checkpoints.jsonl"))
+
+    def checkpoints(self) -> list[dict]:
+        return [r for r in self.rows("checkpoints.jsonl") if r.get("state_path")]
+
+    def resume_point(self, *, resume: bool, overwrite: bool, dry_run: bool = False) -> dict | None:
+        """The checkpoint row --resume continues from (None for a new run). Refuses to mix two runs in
+        one folder. Writes nothing."""
+        if resume:
+            rows = self.checkpoints()
+            if not rows:
+                raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
+                                "without --resume (add --overwrite to replace what is there)")
+            return rows[-1]
+        if self.holds_run() and not overwrite and not dry_run:
+            raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
+                            "replace it (or choose another --log-path)")
+        return None
+
+    def check_resume(self, config: dict, keys) -> None:
+        """DataError naming every setting in `keys` (and the format) that differs from the saved run.
+        config.json is never rewritten on resume: the saved settings stay the record of the run."""
+        saved = self.config()
+        if not saved:
+            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
+                            "run cannot be checked (start a new run with --overwrite)")
+        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        saved_fmt = dict(saved.get("format") or {})
+        if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
+            saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
+        if saved_fmt and saved_fmt != config.get("format"):
+            diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        if diffs:
+            raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
+                            "resume with the original flags (or start a new --log-path)")
+
+    def begin(self, config: dict) -> None:
+        """A new run: the folder's old record removed, config.json written. Call after every check."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            self.file(name).unlink(missing_ok=True)
+        self.write_json("config.json", config)
+
+    def rewind(self, name, keep) -> None:
+        """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
+        if not self.file(name).exists():
+            return
+        text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if keep(r))
+        tmp = self.file(name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.file(name))
+
+    def checkpoint(self, *, name, step, position: dict, epoch, state_path, sampler_path, fmt, **extra) -> dict:
+        """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
+        starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
+        row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+        self.append("checkpoints.jsonl", row)
+        return row

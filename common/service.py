@@ -1,0 +1,130 @@
+"""Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
+and the optional cost preflight through tinker_pricing.py beside the script."""
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from errors import AccessError, BudgetError, DataError, say  # splice: drop
+
+HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
+REACH_TIMEOUT_S = 3.0
+LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+
+
+def service_url() -> str:
+    """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
+    return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
+
+
+def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """One TCP connection to the service within timeout_s, or AccessError. The SDK retries an unreachable
+    first call for minutes; this turns a dead TINKER_BASE_URL into a one-line exit 4 in seconds. Once the
+    service has answered, the SDK's own retries handle transient failures."""
+    url = url or service_url()
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    if not host or parts.scheme not in ("http", "https"):
+        raise AccessError(f"TINKER_BASE_URL {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000; "
+                          "unset it to use hosted Tinker")
+    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or os.environ.get("HTTP_PROXY"):
+        return  # through a proxy the TCP check proves nothing; the SDK reports the failure
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        hint = LOCAL_HINT if os.environ.get("TINKER_BASE_URL") else "check the network"
+        raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
+                          f"{hint}, or fix TINKER_BASE_URL") from None
+
+
+def require_credentials() -> None:
+    import tinker
+
+    if not tinker.auth.tinker_has_credentials():
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
+                          f"or {LOCAL_HINT}")
+
+
+def connect(model_name: str, *, trainable: bool = True):
+    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
+    check; AccessError / DataError before any paid call."""
+    import tinker
+
+    require_credentials()
+    check_reachable()
+    try:
+        caps = tinker.RestClient().get_server_capabilities().result()
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
+        raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
+    except (tinker.APIConnectionError, tinker.APITimeoutError, OSError) as e:
+        raise AccessError(f"cannot reach {service_url()} ({type(e).__name__}); check the network or "
+                          "TINKER_BASE_URL") from None
+    models = {m.model_name: m for m in caps.supported_models if m.model_name}
+    model = models.get(model_name.split(":", 1)[0]) or models.get(model_name)
+    if model is None:
+        shown = ", ".join(sorted(models)[:12])
+        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with --model-name")
+    if trainable and model.trainable is False:
+        raise DataError(f"{model_name} is not trainable on this Tinker; pick another --model-name")
+    return tinker.ServiceClient(), model.max_context_length
+
+
+def check_tinker_path(path, need):
+    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
+        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
+    if parts[1] != need:
+        if need == "weights":
+            raise DataError(
+                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
+                "path saved by save_state (state_path in checkpoints.jsonl)")
+        raise DataError(
+            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
+            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
+    return path
+
+
+def load_pricing():
+    """tinker_pricing from beside this script, or None (then no dollar estimate)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module("tinker_pricing")
+    except ImportError:
+        return None
+
+
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
+    pricing = load_pricing()
+    if pricing is None:
+        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
+        say(note)
+        return None
+    try:
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
+    except pricing.BudgetExceeded as e:
+        raise BudgetError(str(e)) from None
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {e}") from None
+        say(f"no dollar estimate: {e}")
+        return None
+
+
+def catalogue_context(model_name):
+    """The model's context window from the price catalogue (for --dry-run), or None."""
+    pricing = load_pricing()
+    try:
+        return pricing.resolve_model(model_name).get("context") if pricing else None
+    except Exception:
+        return None

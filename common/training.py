@@ -1,0 +1,73 @@
+"""Optimizer constants, learning-rate rules and data order shared by the training scripts."""
+from __future__ import annotations
+
+import math
+import random
+
+# The cookbook's Adam values; the SDK's default eps is 1e-12.
+ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
+
+# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
+HIDDEN_SIZES = {
+    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
+    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
+    "meta-llama/Llama-3.3-70B-Instruct": 8192,
+    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
+    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
+    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
+    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
+    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
+}
+
+
+def recommended_learning_rate(model_name):
+    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
+    None when the family is not calibrated or the hidden size is unknown."""
+    name = model_name.split(":", 1)[0]
+    hidden = HIDDEN_SIZES.get(name)
+    lowered = name.lower()
+    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
+    if hidden is None or power is None:
+        return None
+    return 5e-5 * 10 * (2000 / hidden) ** power
+
+
+def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
+    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
+    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = (step - warmup_steps) / span
+    if schedule == "linear":
+        return 1 - progress
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def plan_steps(n_train, batch_size, epochs, max_steps):
+    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
+    same size; a data set smaller than one batch is one batch."""
+    per_epoch = max(n_train // batch_size, 1)
+    total = per_epoch * epochs
+    return per_epoch, min(total, max_steps) if max_steps else total
+
+
+class BatchOrder:
+    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
+    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
+    batches an uninterrupted one would."""
+
+    def __init__(self, n_train, batch_size, per_epoch, seed):
+        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
+        self._epoch, self._order = None, None
+
+    def __call__(self, step) -> list[int]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._order = list(range(self.n))
+            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order[index * self.size:(index + 1) * self.size]
