@@ -1,0 +1,309 @@
+"""tinker_report.py on synthetic run folders: every curve holds exactly the logged values (read back
+out of the HTML), a run in progress (torn last line, missing files) still gets a report, the rollout
+browser marks each token as the update used it, and the page needs no network."""
+from __future__ import annotations
+
+import html
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tinker_report
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "tinker_report.py"
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared with test_report_browser.py
+
+
+def write_rows(path, rows, torn_tail=None):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    Path(path).write_text(text + (torn_tail or ""))
+
+
+def figures_in(page):
+    """{figure id: plotly figure dict} as embedded in the page."""
+    found = re.findall(r"<script type='application/json' class='figure' id='figure-([\w-]+)'[^>]*>(.*?)</script>",
+                       page, re.S)
+    return {fig_id: json.loads(text.replace("<\\/", "</")) for fig_id, text in found}
+
+
+def trace(fig, name):
+    [t] = [t for t in fig["data"] if t.get("name") == name]
+    return t
+
+
+def run_report(run_dir, *extra):
+    out = subprocess.run([sys.executable, str(SCRIPT), str(run_dir), *extra], capture_output=True, text=True,
+                         timeout=120)
+    return out.returncode, (json.loads(out.stdout) if out.stdout.strip() else None), out.stderr
+
+
+def sft_folder(tmp_path):
+    run = tmp_path / "sft"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B", "lora_rank": 8,
+                                                 "learning_rate": 0.01, "estimate_usd": 0.25}))
+    metrics = [{"step": s, "epoch": 0, "loss": 2.5 / s + 0.125 * s, "learning_rate": 0.01 * (1 - (s - 1) / 4),
+                "tokens": 400 + s, "trained_tokens": 100, "seconds": 0.5} for s in range(1, 5)]
+    write_rows(run / "metrics.jsonl", metrics, torn_tail='{"step": 5, "loss": 1.2')
+    evals = [{"step": 0, "when": "before", "nll": 3.25, "test_tokens": 50,
+              "probes": [{"line": 3, "prompt": "<b>2+2</b>?", "expected": "4", "before": "5"}]},
+             {"step": 2, "when": "during", "nll": 2.75, "test_tokens": 50}]
+    write_rows(run / "eval.jsonl", evals)
+    write_rows(run / "checkpoints.jsonl", [{"name": "000002", "step": 2, "next_batch": 2, "epoch": 0,
+                                            "state_path": "tinker://run-1/weights/000002", "sampler_path": None}])
+    return run, metrics, evals
+
+
+def rl_folder(tmp_path, with_trace=True):
+    run = tmp_path / "rl"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B", "group_size": 2, "batch_size": 2,
+                                                 "estimate_usd": 0.5}))
+    metrics = [{"iteration": i, "reward_mean": 0.125 * i, "reward_std": 0.0625, "reward_min": 0.0,
+                "reward_max": 0.5 + 0.125 * i, "frac_groups_tied": 0.5 - 0.125 * i, "frac_truncated": 0.25,
+                "kl_sample_train_v1": 1e-4 * (i + 1), "kl_sample_train_v2": float("nan") if i == 1 else 1e-8,
+                "cost/step_usd": 0.0625} for i in range(4)]
+    write_rows(run / "metrics.jsonl", metrics)
+    write_rows(run / "checkpoints.jsonl", [
+        {"name": "000002", "step": 2, "next_iteration": 2, "epoch": 0, "state_path": "tinker://r/weights/000002",
+         "sampler_path": None},
+        {"name": "final", "step": 4, "next_iteration": 4, "epoch": 1, "state_path": "tinker://r/weights/final",
+         "sampler_path": "tinker://r/sampler_weights/final"}])
+    rollouts = []
+    if with_trace:
+        for it in range(2):
+            for group in range(2):
+                for sample in range(2):
+                    rollouts.append({
+                        "iteration": it, "task": 10 + group, "group": group, "sample": sample, "sampler_version": it,
+                        "prompt_tokens": [101, 102, 103], "completion_tokens": [201, 202, 301, 302],
+                        "sampler_logprobs": [-0.5, -0.25, -1.0, -2.0], "reward": float(sample),
+                        "advantage": sample - 0.5, "trained": group == 0,
+                        "turns": [{"observation_tokens": [101, 102, 103], "action_tokens": [201, 202], "masked": False},
+                                  {"observation_tokens": [250], "action_tokens": [301, 302], "masked": [False, True],
+                                   "observation_text": "tool: 42"}],
+                        "prompt_text": "What is 6*7? </script><script>alert(1)</script>", "completion_text": "42"})
+        write_rows(run / "rollouts.jsonl", rollouts)
+    return run, metrics, rollouts
+
+
+# ---------------------------------------------------------------------------------------------
+# curves
+
+
+def test_sft_curves_hold_exactly_the_logged_values(tmp_path):
+    run, metrics, evals = sft_folder(tmp_path)
+    code, result, err = run_report(run)
+    assert code == 0, err
+    assert result["report"] == str(run / "report.html") and result["kind"] == "sft"
+    assert result["rows"] == {"config": 1, "metrics": 4, "eval": 2, "checkpoints": 1, "rollouts": 0}
+    assert result["skipped_lines"] == {"metrics.jsonl": 1} and result["in_progress"] is True
+    figs = figures_in((run / "report.html").read_text())
+    assert set(figs) == {"loss", "learning_rate"}  # no cost rows: no cost curve, the estimate in a note
+    assert "no cost in this record" in (run / "report.html").read_text()
+    assert "pre-run estimate $0.25" in (run / "report.html").read_text()
+    loss = trace(figs["loss"], "train loss")
+    assert loss["x"] == [m["step"] for m in metrics] and loss["y"] == [m["loss"] for m in metrics]
+    held_out = trace(figs["loss"], "held-out nll (eval.jsonl)")
+    assert held_out["x"] == [0, 2] and held_out["y"] == [3.25, 2.75]
+    lr = trace(figs["learning_rate"], "learning_rate")
+    assert lr["x"] == [1, 2, 3, 4] and lr["y"] == [m["learning_rate"] for m in metrics]
+
+
+def test_rl_curves_hold_reward_spread_tied_groups_and_kl_as_logged(tmp_path):
+    run, metrics, _ = rl_folder(tmp_path, with_trace=False)
+    code, result, err = run_report(run, "--out", str(tmp_path / "rl.html"))
+    assert code == 0, err
+    assert result["kind"] == "rl" and result["in_progress"] is False and result["rows"]["metrics"] == 4
+    figs = figures_in((tmp_path / "rl.html").read_text())
+    assert set(figs) == {"reward", "tied", "kl", "cost"}
+    its = [0, 1, 2, 3]
+    mean = trace(figs["reward"], "reward_mean")
+    assert mean["x"] == its and mean["y"] == [m["reward_mean"] for m in metrics]
+    assert trace(figs["reward"], "mean + std")["y"] == [m["reward_mean"] + m["reward_std"] for m in metrics]
+    assert trace(figs["reward"], "mean ± std")["y"] == [m["reward_mean"] - m["reward_std"] for m in metrics]
+    assert trace(figs["reward"], "reward_max")["y"] == [m["reward_max"] for m in metrics]
+    assert trace(figs["reward"], "reward_min")["y"] == [0.0] * 4
+    assert trace(figs["tied"], "frac_groups_tied")["y"] == [0.5, 0.375, 0.25, 0.125]
+    assert trace(figs["kl"], "kl_sample_train_v1")["y"] == [m["kl_sample_train_v1"] for m in metrics]
+    # NaN is not JSON: a logged NaN becomes a gap (null), never a made-up number
+    assert trace(figs["kl"], "kl_sample_train_v2")["y"] == [1e-8, None, 1e-8, 1e-8]
+
+
+def test_cost_so_far_is_the_running_sum_with_the_estimate_as_a_line(tmp_path):
+    run, _, _ = rl_folder(tmp_path, with_trace=False)
+    code, _, err = run_report(run)
+    assert code == 0, err
+    fig = figures_in((run / "report.html").read_text())["cost"]
+    cost = trace(fig, "cost so far (usd)")
+    assert cost["x"] == [0, 1, 2, 3] and cost["y"] == [0.0625, 0.125, 0.1875, 0.25]
+    [line] = fig["layout"]["shapes"]
+    assert line["y0"] == line["y1"] == 0.5
+
+
+def test_cookbook_metric_names_are_drawn_too(tmp_path):
+    sft = tmp_path / "cook-sft"
+    sft.mkdir()
+    write_rows(sft / "metrics.jsonl", [{"step": 0, "train_mean_nll": 2.0, "learning_rate": 1e-4},
+                                       {"step": 1, "train_mean_nll": 1.5, "learning_rate": 5e-5, "test/nll": 1.75,
+                                        "cost/cumulative_usd": 0.01}])
+    assert run_report(sft)[0] == 0
+    figs = figures_in((sft / "report.html").read_text())
+    assert trace(figs["loss"], "train train_mean_nll")["y"] == [2.0, 1.5]
+    assert trace(figs["loss"], "held-out test/nll")["x"] == [1]
+    assert trace(figs["cost"], "cost so far (usd)")["y"] == [0.01]
+    rl = tmp_path / "cook-rl"
+    rl.mkdir()
+    (rl / "config.json").write_text(json.dumps({"model_name": "m", "group_size": 4}))
+    write_rows(rl / "metrics.jsonl", [{"step": i, "env/all/reward/total": 0.25 * i, "by_group/frac_mixed": 0.75,
+                                       "optim/kl_sample_train_v1": 0.001} for i in range(3)])
+    assert run_report(rl)[0] == 0
+    figs = figures_in((rl / "report.html").read_text())
+    assert trace(figs["reward"], "env/all/reward/total")["y"] == [0.0, 0.25, 0.5]
+    assert trace(figs["tied"], "1 - by_group/frac_mixed")["y"] == [0.25] * 3
+    assert trace(figs["kl"], "optim/kl_sample_train_v1")["y"] == [0.001] * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# a run in progress
+
+
+def test_a_run_with_only_a_config_gets_a_report_that_says_so(tmp_path):
+    run = tmp_path / "starting"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B"}))
+    code, result, err = run_report(run)
+    assert code == 0, err
+    page = (run / "report.html").read_text()
+    assert figures_in(page) == {} and result["rows"]["metrics"] == 0 and result["in_progress"] is True
+    assert "no metrics rows yet" in page and "no checkpoint saved yet" in page
+
+
+def test_torn_config_and_torn_metrics_are_tolerated(tmp_path):
+    run = tmp_path / "torn"
+    run.mkdir()
+    (run / "config.json").write_text('{"model_name": "Qwen/Qw')
+    write_rows(run / "metrics.jsonl", [{"step": 1, "loss": 2.0, "learning_rate": 0.1}], torn_tail='{"step": 2, "lo')
+    code, result, err = run_report(run)
+    assert code == 0, err
+    page = (run / "report.html").read_text()
+    assert "config.json is missing or unreadable" in page
+    assert trace(figures_in(page)["loss"], "train loss")["y"] == [2.0]
+    assert result["skipped_lines"] == {"metrics.jsonl": 1}
+
+
+def test_watch_rewrites_the_report_as_rows_arrive_and_stops_cleanly_on_ctrl_c(tmp_path):
+    run = tmp_path / "live"
+    run.mkdir()
+    write_rows(run / "metrics.jsonl", [{"step": 1, "loss": 2.0, "learning_rate": 0.1}])
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(run), "--watch", "0.5"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        report = run / "report.html"
+
+        def loss_y():
+            try:
+                return trace(figures_in(report.read_text())["loss"], "train loss")["y"]
+            except (OSError, KeyError, ValueError):
+                return None
+
+        deadline = time.time() + 60
+        while loss_y() != [2.0] and time.time() < deadline:
+            time.sleep(0.2)
+        assert loss_y() == [2.0]
+        assert "http-equiv='refresh' content='1'" in report.read_text()  # the open page reloads itself
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": 2, "loss": 1.5, "learning_rate": 0.05}) + "\n")
+        while loss_y() != [2.0, 1.5] and time.time() < deadline:
+            time.sleep(0.2)
+        assert loss_y() == [2.0, 1.5]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["report"] == str(run / "report.html")
+
+
+# ---------------------------------------------------------------------------------------------
+# rollouts, checkpoints, the page itself
+
+
+def test_rollout_browser_marks_every_token_as_the_update_used_it(tmp_path):
+    run, _, rollouts = rl_folder(tmp_path)
+    code, result, err = run_report(run)
+    assert code == 0, err
+    assert result["rows"]["rollouts"] == 8
+    page = (run / "report.html").read_text()
+    browser = page.split("<div id='rollouts'>", 1)[1].split("<h2>", 1)[0]
+    rows = re.findall(r"<details class='rollout-row'[^>]*><summary>(.*?)</summary>(.*?)</div></details>", browser, re.S)
+    assert len(rows) == 8
+    # newest iteration first; each summary carries task, group, sample, reward, advantage, trained
+    assert html.unescape(rows[0][0]).startswith("task 10 · group 0 · sample 0 · reward 0 · advantage -0.5 · trained")
+    for (summary, body), r in zip(rows, [r for it in (1, 0) for r in rollouts if r["iteration"] == it]):
+        spans = re.findall(r"<span class='tok (\w+)' title='([^']*)'>(\d+)</span>", body)
+        assert [int(t) for _, _, t in spans] == [101, 102, 103, 201, 202, 250, 301, 302]
+        act = "masked" if not r["trained"] else ("pos" if r["advantage"] > 0 else "neg")
+        assert [c for c, _, _ in spans] == ["obs"] * 3 + [act, act, "obs", act, "masked"]
+        # hovering an action token shows its sampler logprob (one per action token, turn after turn)
+        assert [re.search(r"logprob (-?[\d.]+)", html.unescape(t)).group(1) for c, t, _ in spans[3:5] + spans[6:]] == \
+            ["-0.500", "-0.250", "-1.000", "-2.000"]
+        assert "tool: 42" in body and "<pre class='completion'>42</pre>" in body
+    # text from the trace is escaped: it cannot close the page's script elements
+    assert "<script>alert(1)</script>" not in page and "&lt;/script&gt;&lt;script&gt;alert(1)" in page
+
+
+def test_checkpoints_table_lists_every_saved_row(tmp_path):
+    run, _, _ = rl_folder(tmp_path, with_trace=False)
+    assert run_report(run)[0] == 0
+    table = (run / "report.html").read_text().split("<table id='checkpoints'>", 1)[1].split("</table>", 1)[0]
+    cells = [re.findall(r"<td class='mono'>(.*?)</td>", row) for row in table.split("</tr>")[1:-1]]
+    assert [c[0] for c in cells] == ["000002", "final"]
+    assert "tinker://r/sampler_weights/final" in cells[1] and "tinker://r/weights/000002" in cells[0]
+
+
+def test_the_page_is_self_contained_plotly_embedded_no_network(tmp_path):
+    run, _, _ = sft_folder(tmp_path)
+    assert run_report(run)[0] == 0
+    page = (run / "report.html").read_text()
+    assert not re.search(r"<script[^>]*\bsrc=", page) and "<link" not in page
+    assert "Plotly.newPlot" in page and len(page) > 1_000_000  # plotly.js itself is in the file
+    from plotly.offline import get_plotlyjs
+
+    assert page.count(get_plotlyjs()) == 1
+    ours = page.replace(get_plotlyjs(), "")
+    assert not re.search(r"""(src|href)=["']?https?://""", ours) and "<iframe" not in ours
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda tmp: tmp / "missing", "is not a folder"),
+    (lambda tmp: tmp, "holds no run record"),
+])
+def test_bad_run_folder_is_one_line_and_exit_2(tmp_path, make, expected):
+    code, result, err = run_report(make(tmp_path))
+    assert code == 2 and result is None
+    assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_watch_must_be_positive(tmp_path):
+    run, _, _ = sft_folder(tmp_path)
+    assert tinker_report.cli([str(run), "--watch", "0"]) == 2
+    assert not (run / "report.html").exists()
+
+
+def test_a_report_that_cannot_be_written_is_exit_1_with_one_line(tmp_path):
+    run, _, _ = sft_folder(tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, result, err = run_report(run, "--out", str(blocker / "report.html"))
+    assert code == 1 and result is None
+    assert err.startswith(f"error: cannot write {blocker / 'report.html'}") and len(err.strip().splitlines()) == 1
