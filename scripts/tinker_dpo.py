@@ -1,0 +1,1562 @@
+#!/usr/bin/env python3
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "tinker>=0.38,<0.39",
+#     "torch",  # forward_backward_custom differentiates the DPO loss on this machine
+#     "transformers",
+#     "jinja2>=3.1.6",  # transformers renders chat templates with jinja2 but does not declare it
+# ]
+# ///
+"""Preference tuning (DPO) of a LoRA on Tinker: pairs rendered by the model's own chat template, audited, resumable.
+
+Run:
+    # audit for free (no Tinker call): renders both sides of every pair, checks the masks, estimates the cost
+    uv run tinker_dpo.py --data dpo_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
+    # train
+    uv run tinker_dpo.py --data my_pairs.jsonl --model-name Qwen/Qwen3-8B --log-path runs/dpo1 --max-usd 5
+
+Edit:
+    load_pairs(path) -> list of pairs, each {"prompt": [messages] or str, "chosen": str or an assistant
+    message, "rejected": str or an assistant message} (a (line, pair) tuple is also accepted so errors name
+    the line). The default reads JSONL of that shape. Nothing else needs editing for the common case.
+
+Outputs:
+    LOG/config.json                every setting (never the API key), the "format", the pairs' sha256
+    LOG/reference_logprobs.jsonl   per pair: the reference model's logprobs on the trained tokens (paid once;
+                                   --resume reads them back)
+    LOG/metrics.jsonl              one row per step: loss, accuracy, margin, chosen_reward, rejected_reward,
+                                   implicit_kl, policy_accuracy, learning_rate, pairs, tokens, seconds
+    LOG/checkpoints.jsonl          one row per save: step, next_batch, epoch, state_path, sampler_path, format
+    LOG/datums.jsonl               (--dry-run) per pair: prompt length, both sides' token ids, weights and
+                                   the decoded text of each weighted span
+    stdout                         one JSON object: status, log_path, pairs, steps, state_path, sampler_path,
+                                   first/last step metrics, tokens, usd, format
+
+Requires:
+    TINKER_API_KEY (not for --dry-run); TINKER_BASE_URL to point at a local rehearsal backend
+    (scripts/tinker_local.py). torch (forward_backward_custom computes the loss here). --tokenizer PATH, or
+    HF_HUB_OFFLINE=1 with a warm cache, to run offline.
+
+Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (data, flags, unknown model, context
+overflow, no checkpoint to resume), 3 cost estimate above --max-usd, 4 no credentials or Tinker
+unreachable, 130 interrupted (continue with --resume).
+
+Loss (Rafailov et al. 2023): per pair, d = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) -
+log ref(rejected)), each log-probability summed over the completion tokens (weights 1, never normalised:
+DPO compares whole sequences); loss = mean over pairs of -log sigmoid(dpo_beta * d). The reference is the
+starting weights (the base model, or --init-from), scored once before the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+
+DEFAULT_MODEL = "Qwen/Qwen3-8B"
+REFS_FILE = "reference_logprobs.jsonl"
+# Settings that must match the saved run for --resume to continue it exactly.
+RESUME_KEYS = ("model_name", "lora_rank", "init_from", "learning_rate", "lr_schedule", "warmup_steps",
+               "batch_size", "epochs", "max_steps", "seed", "dpo_beta", "reference", "pairs_sha256")
+NUMBER_RULES = {
+    "dpo_beta": dict(low=0, low_open=True),
+    "learning_rate": dict(low=0, high=1, low_open=True),
+    "batch_size": dict(low=1), "epochs": dict(low=1), "max_steps": dict(low=1), "lora_rank": dict(low=1),
+    "warmup_steps": dict(low=0), "save_every": dict(low=0), "max_length": dict(low=2), "max_usd": dict(low=0),
+}
+
+
+def parse_args(argv=None):
+    """All settings, one object: the flag names are the keys of config.json and of the metrics."""
+    p = argparse.ArgumentParser(description="Preference tuning (DPO) on Tinker (see the module docstring).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", help="JSONL of {'prompt', 'chosen', 'rejected'} per line")
+    p.add_argument("--format", choices=["auto", "chat", "raw"], default="auto",
+                   help="chat: the tokenizer's chat template; raw: text + explicit EOS (base models); "
+                        "auto: raw for *-Base models or tokenizers without a template, else chat")
+    p.add_argument("--thinking", action="store_true", help="render with thinking on (Qwen3 enable_thinking)")
+    p.add_argument("--max-length", type=int, help="token limit per sequence (default: the model's context window)")
+    p.add_argument("--drop-long", action="store_true", help="drop a pair whose either side is over the limit")
+    p.add_argument("--model-name", default=DEFAULT_MODEL, help="Tinker base model id")
+    p.add_argument("--tokenizer", help="tokenizer folder or hub name (default: from --model-name)")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--init-from", help="start from (and take as the reference) a tinker://.../weights/NAME state, "
+                                       "e.g. your SFT run's final state_path")
+    p.add_argument("--dpo-beta", type=float, default=0.1, help="strength of the pull toward the reference")
+    p.add_argument("--reference", choices=["sampler", "forward"], default="sampler",
+                   help="how the reference logprobs are computed once: sampler = compute_logprobs on a snapshot "
+                        "of the starting weights (billed as prefill); forward = a forward pass of the training "
+                        "client before its first step (billed as train, identical numerics to the policy)")
+    p.add_argument("--learning-rate", type=float, default=1e-5, help="the cookbook's DPO value; lower than SFT")
+    p.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="linear")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32, help="pairs per step (each pair is two sequences)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, help="stop after this many steps in total")
+    p.add_argument("--seed", type=int, default=0, help="pair order and LoRA init")
+    p.add_argument("--save-every", type=int, default=20, help="save_state every N steps (0: only at the end)")
+    p.add_argument("--log-path", default="runs/dpo")
+    p.add_argument("--max-usd", type=float, help="stop before any paid call if the estimate exceeds this")
+    p.add_argument("--dry-run", action="store_true", help="render, check and estimate; no Tinker call")
+    p.add_argument("--resume", action="store_true", help="continue from the last row of LOG/checkpoints.jsonl")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run record in --log-path")
+    args = p.parse_args(argv)
+    if args.resume and args.overwrite:
+        p.error("choose one of --resume and --overwrite")
+    return args
+
+
+# ==== EDIT ME: load_pairs() ====
+def load_pairs(path):
+    """Return the preference pairs in `path`: a list of dicts, each
+
+        {"prompt": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...] (ending with a user
+                   or tool message) or a str (one user message; plain text in --format raw),
+         "chosen": str or {"role": "assistant", "content": str, "reasoning_content"?: str},
+         "rejected": the same}
+
+    Items may also be (where, pair) tuples; `where` (a line number or label) names the pair in error
+    messages. Replace the body to read from anywhere else (a Hugging Face dataset, a database).
+    """
+    return read_jsonl(path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_numbers(args, NUMBER_RULES)
+    if args.init_from:
+        check_tinker_path(args.init_from, "weights")
+    check_writable_dir(args.log_path, "--log-path")
+    run = Run(args.log_path, extra_files=(REFS_FILE, "datums.jsonl"))
+    resume_from = run.resume_point(resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+
+    tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
+    tokenizer = load_tokenizer(args.tokenizer or args.model_name)
+    fmt = resolve_format(args.format, args.model_name, tokenizer, tokenizer_name, thinking=args.thinking)
+    raw = normalise_items(load_pairs(args.data), validate=validate_pair)
+    limit = min(x for x in (args.max_length, catalogue_context(args.model_name), 10**9) if x)
+    pairs = render_pairs(raw, tokenizer, fmt, limit, drop_long=args.drop_long)
+    per_epoch, total_steps = plan_steps(len(pairs), args.batch_size, args.epochs, args.max_steps)
+    order = BatchOrder(len(pairs), args.batch_size, per_epoch, args.seed)
+    config = {k: v for k, v in vars(args).items() if k not in ("dry_run", "resume", "overwrite", "max_usd")}
+    config.update(format=fmt, pairs=len(pairs), steps=total_steps, pairs_sha256=pairs_digest(pairs))
+
+    start, refs = 0, None
+    if resume_from:
+        run.check_resume(config, RESUME_KEYS)
+        refs = read_references(run, pairs)  # the reference pass is never paid twice
+        start = int(resume_from["next_batch"])
+    tokens = cost_tokens(pairs, order, start, total_steps, args.reference, need_reference=not resume_from)
+    label = f"DPO {len(pairs)} pairs, steps {start}-{total_steps}" + (" (resume)" if resume_from else "")
+
+    if args.dry_run:
+        est = estimate(args.model_name, tokens, None, label=label)
+        audit = write_audit(run, pairs, tokenizer)
+        say(f"dry run: {len(pairs)} pairs rendered, masks checked; audit in {audit}")
+        emit({"status": "dry_run", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
+              "per_epoch": per_epoch, "limit": limit, "longest": max(len(p.chosen.tokens) for p in pairs) if pairs
+              else 0, "tokens": tokens, "usd": est and est["usd"]["total"], "datums": str(audit), "format": fmt})
+        return EXIT_OK
+
+    est = estimate(args.model_name, tokens, args.max_usd, label=label)  # before any file changes or paid call
+    service, context = connect(args.model_name)
+    if context and max(max(len(p.chosen.tokens), len(p.rejected.tokens)) for p in pairs) > context:
+        raise DataError(f"a pair is longer than {args.model_name}'s context window {context}; pass "
+                        f"--max-length {context} --drop-long")
+    if resume_from:
+        run.rewind("metrics.jsonl", lambda r: r.get("step", 0) < start)
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resuming at step {start}/{total_steps} from {resume_from['state_path']}")
+    else:
+        run.begin(config)
+        if args.init_from:
+            tc = service.create_training_client_from_state(args.init_from).result()
+        else:
+            tc = service.create_lora_training_client(args.model_name, rank=args.lora_rank, seed=args.seed).result()
+        refs = compute_references(tc, pairs, args.reference)
+        for i, ref in enumerate(refs):
+            run.append(REFS_FILE, {"pair": i, "line": pairs[i].line, "sha": pairs[i].sha, **ref})
+
+    # ---- the loop: one DPO step per batch of pairs ----
+    import tinker
+
+    state_path = sampler_path = None
+    first = last = None
+    for step in range(start, total_steps):
+        t0 = time.time()
+        batch = [pairs[i] for i in order(step)]
+        batch_refs = [refs[i] for i in order(step)]
+        lr = args.learning_rate * lr_multiplier(step, total_steps, args.lr_schedule, args.warmup_steps)
+        data = [datum for p in batch for datum in (to_datum(p.chosen), to_datum(p.rejected))]
+        fwd = tc.forward_backward_custom(data, make_dpo_loss_fn(batch, batch_refs, args.dpo_beta))
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))  # queued behind fwd, not awaited yet
+        metrics = fwd.result().metrics
+        opt.result()
+        row = {"step": step, "epoch": step // per_epoch, "loss": metrics["loss:sum"],
+               **{k: metrics[k] for k in STEP_METRICS}, "learning_rate": lr, "pairs": len(batch),
+               "tokens": sum(d.model_input.length for d in data), "seconds": round(time.time() - t0, 3)}
+        run.append("metrics.jsonl", row)
+        first, last = first or row, row
+        say(f"step {step + 1}/{total_steps} | loss {row['loss']:.4f} | acc {row['accuracy']:.2f} | margin "
+            f"{row['margin']:+.4f} | chosen {row['chosen_reward']:+.4f} rejected {row['rejected_reward']:+.4f} | "
+            f"kl {row['implicit_kl']:.2e} | lr {lr:.1e} | {row['seconds']:.1f}s")
+        done = step + 1
+        if done < total_steps and args.save_every and done % args.save_every == 0:
+            state_path, _ = save(tc, run, f"{done:06d}", done, per_epoch, fmt, final=False)
+    if start < total_steps or not run.checkpoints():
+        state_path, sampler_path = save(tc, run, "final", total_steps, per_epoch, fmt, final=True)
+    else:
+        state_path, sampler_path = resume_from["state_path"], resume_from.get("sampler_path")
+    service.close("success").result()
+    emit({"status": "ok", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
+          "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
+          "tokens": tokens, "usd": est and est["usd"]["total"], "format": fmt})
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# The DPO loss: the math on summed logprobs, and the closure forward_backward_custom calls.
+
+STEP_METRICS = ("dpo_loss", "accuracy", "margin", "chosen_reward", "rejected_reward", "policy_accuracy",
+                "implicit_kl")
+
+
+def dpo_loss(chosen_logp, rejected_logp, chosen_ref, rejected_ref, beta):
+    """(mean loss, metrics) from 1-D tensors of per-pair summed logprobs (policy and reference).
+
+    chosen_reward / rejected_reward are the implicit rewards beta * (log pi - log ref); margin is their
+    mean difference; accuracy counts pairs whose chosen reward is strictly higher (a tie, as at step 0 with
+    --reference forward, is not a win); policy_accuracy counts pairs the policy itself scores higher."""
+    import torch.nn.functional as F
+
+    chosen_ratio = chosen_logp - chosen_ref
+    rejected_ratio = rejected_logp - rejected_ref
+    z = beta * (chosen_ratio - rejected_ratio)
+    loss = -F.logsigmoid(z).mean()
+    metrics = {
+        "dpo_loss": loss.item(),
+        "accuracy": (chosen_ratio > rejected_ratio).float().mean().item(),
+        "margin": z.mean().item(),
+        "chosen_reward": (beta * chosen_ratio).mean().item(),
+        "rejected_reward": (beta * rejected_ratio).mean().item(),
+        "policy_accuracy": (chosen_logp > rejected_logp).float().mean().item(),
+    }
+    return loss, metrics
+
+
+def make_dpo_loss_fn(batch, batch_refs, beta):
+    """The loss forward_backward_custom differentiates: data is [chosen_0, rejected_0, chosen_1, ...];
+    only the trained (completion) positions of each sequence count."""
+
+    def loss_fn(data, logprobs_list):
+        import torch
+
+        sums = {"chosen": [], "rejected": [], "chosen_ref": [], "rejected_ref": []}
+        drift = []
+        for k, (pair, ref) in enumerate(zip(batch, batch_refs, strict=True)):
+            for j, side in enumerate(("chosen", "rejected")):
+                logp = logprobs_list[2 * k + j].flatten()[torch.tensor(pair.trained(side))]
+                ref_logp = torch.tensor(ref[side], dtype=logp.dtype)
+                sums[side].append(logp.sum())
+                sums[side + "_ref"].append(ref_logp.sum())
+                drift.append(k3_divergence(logp.detach(), ref_logp))
+        stacked = {k: torch.stack(v) for k, v in sums.items()}
+        loss, metrics = dpo_loss(stacked["chosen"], stacked["rejected"], stacked["chosen_ref"],
+                                 stacked["rejected_ref"], beta)
+        metrics["implicit_kl"] = torch.cat(drift).mean().item()
+        return loss, metrics
+
+    return loss_fn
+
+
+def k3_divergence(logp, ref_logp):
+    """Per-token exp(r) - r - 1 with r = log ref - log pi (Schulman's k3): >= 0, 0 where the policy still
+    equals the reference. On pair data (not sampled from the policy) it measures drift, not the true KL."""
+    r = ref_logp - logp
+    return r.exp() - r - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairs: validation, rendering with SFT's masking rule, the audit
+
+
+class Pair:
+    """One rendered pair: both sides share the prompt tokens exactly and differ only after them."""
+
+    def __init__(self, line, chosen, rejected):
+        self.line, self.chosen, self.rejected = line, chosen, rejected
+        self.prompt_tokens = chosen.weights.index(1.0)
+        self.sha = hashlib.sha256(json.dumps([chosen.tokens, rejected.tokens]).encode()).hexdigest()[:16]
+
+    def trained(self, side) -> list[int]:
+        """Target positions (after the shift by one) whose weight is 1: the completion + end-of-turn."""
+        r = getattr(self, side)
+        return [j for j, w in enumerate(r.weights[1:]) if w]
+
+
+def validate_pair(obj, where) -> dict:
+    """{"prompt": messages or str, "chosen": [prompt messages + answer], "rejected": [...], "line"} or
+    DataError naming the pair."""
+    line, where = where, (f"line {where}" if isinstance(where, int) else str(where))
+    if not isinstance(obj, dict) or not {"prompt", "chosen", "rejected"} <= set(obj):
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise DataError(f"{where}: expected a JSON object with 'prompt', 'chosen' and 'rejected', got {got}")
+    prompt = obj["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: empty 'prompt'")
+        prompt_msgs = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list):
+        prompt_msgs = prompt
+        if not prompt or not isinstance(prompt[-1], dict) or prompt[-1].get("role") not in ("user", "tool"):
+            raise DataError(f"{where}: 'prompt' must end with a user (or tool) message; the answer goes in "
+                            "'chosen'/'rejected'")
+    else:
+        raise DataError(f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
+    sides = {}
+    for side in ("chosen", "rejected"):
+        value = obj[side]
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str):
+            value = {"role": "assistant", "content": value}
+        if not isinstance(value, dict) or value.get("role", "assistant") != "assistant":
+            raise DataError(f"{where}: '{side}' must be a string or one assistant message")
+        sides[side] = validate_messages(prompt_msgs + [{"role": "assistant", **value}], f"{where} ({side})")
+    if sides["chosen"][-1] == sides["rejected"][-1]:
+        raise DataError(f"{where}: 'chosen' and 'rejected' are the same answer; nothing to prefer")
+    return {"prompt": prompt, "chosen": sides["chosen"], "rejected": sides["rejected"], "line": line}
+
+
+def render_side(pair, side, tokenizer, fmt):
+    """One side through render_example, the same call and masking rule as SFT."""
+    if fmt["kind"] == "raw" and isinstance(pair["prompt"], str):
+        example = {"prompt": pair["prompt"], "completion": pair[side][-1]["content"]}
+    else:
+        example = {"messages": pair[side]}
+    (rendered,) = render_example(example, tokenizer, fmt, train_on="last-assistant")
+    return rendered
+
+
+def render_pairs(raw_pairs, tokenizer, fmt, limit, *, drop_long=False) -> list[Pair]:
+    """Rendered, checked pairs; a pair over `limit` tokens is dropped whole (never one side alone)."""
+    out, dropped = [], 0
+    for raw in raw_pairs:
+        chosen, rejected = (render_side(raw, s, tokenizer, fmt) for s in ("chosen", "rejected"))
+        where = f"line {raw['line']}" if isinstance(raw["line"], int) else raw["line"]
+        p_c, p_r = chosen.weights.index(1.0), rejected.weights.index(1.0)
+        if p_c != p_r or chosen.tokens[:p_c] != rejected.tokens[:p_r]:
+            raise RenderError(
+                f"{where}: chosen and rejected render different prompts ({p_c} vs {p_r} tokens); with a chat "
+                "template this happens when only one side has reasoning_content: give both or neither")
+        if chosen.tokens == rejected.tokens:
+            raise DataError(f"{where}: chosen and rejected render to the same tokens; nothing to prefer")
+        longest = max(len(chosen.tokens), len(rejected.tokens))
+        if longest > limit:
+            if drop_long:
+                dropped += 1
+                continue
+            raise DataError(f"{where}: a side of this pair is {longest} tokens, over the limit {limit}; pass "
+                            "--drop-long to drop such pairs, or a larger --max-length")
+        out.append(Pair(raw["line"], chosen, rejected))
+    if dropped:
+        say(f"dropped {dropped} pair(s) over {limit} tokens (--drop-long)")
+    if not out:
+        raise DataError(f"no pairs left to train on (all {dropped} over {limit} tokens)")
+    return out
+
+
+def pairs_digest(pairs) -> str:
+    """What --resume compares: the exact tokens and masks of every pair, in order."""
+    h = hashlib.sha256()
+    for p in pairs:
+        h.update(json.dumps([p.chosen.tokens, p.chosen.weights, p.rejected.tokens, p.rejected.weights]).encode())
+    return h.hexdigest()
+
+
+def write_audit(run, pairs, tokenizer):
+    """LOG/datums.jsonl: what a human checks before paying (the decoded weighted spans of each side)."""
+    run.path.mkdir(parents=True, exist_ok=True)
+    path = run.file("datums.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        for i, p in enumerate(pairs):
+            row = {"pair": i, "line": p.line, "prompt_tokens": p.prompt_tokens,
+                   "prompt": tokenizer.decode(p.chosen.tokens[:p.prompt_tokens])}
+            for side in ("chosen", "rejected"):
+                r = getattr(p, side)
+                row[side] = {"tokens": r.tokens, "weights": r.weights, "trained": int(sum(r.weights)),
+                             "weighted": weighted_spans(tokenizer, r)}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference logprobs (paid once, cached in the run folder), cost, checkpoints
+
+REF_BLOCK = 64  # sequences submitted before the first is awaited
+
+
+def compute_references(tc, pairs, how) -> list[dict]:
+    """Per pair {"chosen": [logprob per trained token], "rejected": [...]} under the starting weights,
+    before any optimizer step."""
+    import tinker
+
+    seqs = [(i, side) for i in range(len(pairs)) for side in ("chosen", "rejected")]
+    refs = [{} for _ in pairs]
+    sampler = tc.save_weights_and_get_sampling_client().result() if how == "sampler" else None
+    t0 = time.time()
+    for lo in range(0, len(seqs), REF_BLOCK):
+        block = seqs[lo:lo + REF_BLOCK]
+        if sampler is not None:
+            # compute_logprobs scores every prompt token (entry 0 is None): target j is entry j + 1.
+            futures = [sampler.compute_logprobs(tinker.ModelInput.from_ints(getattr(pairs[i], s).tokens))
+                       for i, s in block]
+            for (i, side), fut in zip(block, futures):
+                full = fut.result()
+                refs[i][side] = [float(full[j + 1]) for j in pairs[i].trained(side)]
+        else:
+            out = tc.forward([to_datum(getattr(pairs[i], s)) for i, s in block], "cross_entropy").result()
+            for (i, side), o in zip(block, out.loss_fn_outputs):
+                logprobs = o["logprobs"].tolist()
+                refs[i][side] = [float(logprobs[j]) for j in pairs[i].trained(side)]
+        say(f"reference logprobs ({how}): {min(lo + REF_BLOCK, len(seqs))}/{len(seqs)} sequences, "
+            f"{time.time() - t0:.1f}s")
+    return refs
+
+
+def read_references(run, pairs) -> list[dict]:
+    """The cached reference logprobs, checked against the re-rendered pairs."""
+    rows = {r["pair"]: r for r in run.rows(REFS_FILE) if isinstance(r.get("pair"), int)}
+    bad = [i for i, p in enumerate(pairs) if rows.get(i, {}).get("sha") != p.sha]
+    if bad:
+        raise DataError(f"--resume: {run.file(REFS_FILE)} lacks or mismatches {len(bad)} of {len(pairs)} pairs "
+                        f"(first: pair {bad[0]}); the reference cannot be recomputed after training started; "
+                        "start a new run with --overwrite")
+    return [{"chosen": rows[i]["chosen"], "rejected": rows[i]["rejected"]} for i in range(len(pairs))]
+
+
+def cost_tokens(pairs, order, start, total_steps, reference, *, need_reference) -> dict:
+    """Tokens by meter (tinker_pricing kinds). forward_backward_custom runs a forward and then a
+    forward_backward on the same datums, so each step bills its datums' tokens twice at the train rate.
+    The reference pass bills each full sequence once: as prefill + 1 sampled token (compute_logprobs is a
+    sample call with max_tokens=1) or as train (a forward on the training client). Prefix-cache hits
+    (rejected shares the chosen's prompt) are not assumed, so prefill is an upper bound."""
+    lengths = [(len(p.chosen.tokens) - 1) + (len(p.rejected.tokens) - 1) for p in pairs]
+    train = sum(2 * lengths[i] for step in range(start, total_steps) for i in order(step))
+    tokens = {"train": train}
+    if need_reference and reference == "sampler":
+        tokens["prefill"] = sum(lengths) + 2 * len(pairs)
+        tokens["sample"] = 2 * len(pairs)
+    elif need_reference:
+        tokens["train"] += sum(lengths)
+    return tokens
+
+
+def save(tc, run, name, done, per_epoch, fmt, *, final):
+    """save_state (+ a sampler checkpoint at the end), then the checkpoints.jsonl row with both paths."""
+    ttl = None if final else PERIODIC_TTL_SECONDS
+    state = tc.save_state(name, ttl_seconds=ttl)
+    sampler = tc.save_weights_for_sampler(name, ttl_seconds=ttl) if final else None
+    state_path = state.result().path
+    sampler_path = sampler.result().path if sampler else None
+    run.checkpoint(name=name, step=done, position={"next_batch": done}, epoch=done // per_epoch,
+                   state_path=state_path, sampler_path=sampler_path, fmt=fmt)
+    say(f"saved {name}: {state_path}" + (f" (sampler {sampler_path})" if sampler_path else ""))
+    return state_path, sampler_path
+
+
+# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, training, service) ====
+# Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
+# tests/test_shared_code.py fails when this copy differs from its source.
+
+
+# ---- common/errors.py ----
+# Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import json
+import signal
+import sys
+
+# 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
+# 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
+
+
+class ScriptError(Exception):
+    """A failure explained in one line: what failed, what was expected, the next command."""
+
+    exit_code = EXIT_FAILURE
+
+
+class DataError(ScriptError):
+    """Bad input or usage: data, flags, paths, unknown model, context overflow."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class RenderError(DataError):
+    """The chat template cannot produce a faithful datum for this example."""
+
+
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
+
+
+class AccessError(ScriptError):
+    """No credentials, credentials refused, or the service cannot be reached."""
+
+    exit_code = EXIT_NO_ACCESS
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the script is so `finally` blocks and the run record close cleanly."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def say(*parts) -> None:
+    """Progress and warnings: stderr, so stdout carries only the final JSON object."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def emit(obj: dict) -> None:
+    """The one JSON object a script prints on stdout."""
+    print(json.dumps(obj), flush=True)
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:limit]
+
+
+RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+
+def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
+    """Run main(argv) and turn every way it can end into an exit code and at most one stderr line.
+    error_json: also print {"status": "error"|"interrupted", "exit_code", "error"} on stdout, for a script
+    whose stdout always ends in one JSON object (tinker_infer.py); interrupted_hint: what to do after ^C."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return main(argv)
+    except ScriptError as e:
+        code, status, line = e.exit_code, "error", f"error: {one_line(e, 2000)}"
+    except Terminated:
+        code, status, line = 143, "interrupted", f"terminated: {interrupted_hint}"
+    except KeyboardInterrupt:
+        code, status, line = 130, "interrupted", f"interrupted: {interrupted_hint}"
+    except Exception as e:  # Tinker or runtime failure: one line; the SDK's log has the details
+        code, status, line = EXIT_FAILURE, "error", f"error: {type(e).__name__}: {one_line(e)}"
+    say(line)
+    if error_json:
+        emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
+    return code
+
+
+# ---- common/flags.py ----
+# Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
+import math
+import os
+from pathlib import Path
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_number(dest: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
+    """DataError unless value is a finite number within [low, high] (open ends where asked); None passes."""
+    if value is None:
+        return
+    name = flag_name(dest)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{name} {value!r}: expected a finite number")
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf' if high is None else high}{')' if high_open else ']'}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        raise DataError(f"{name} {value}: expected a value in {bounds}")
+
+
+def check_numbers(args, rules: dict) -> None:
+    """rules: {dest: dict(low=..., high=..., low_open=..., high_open=...)} checked against args.dest."""
+    for dest, bounds in rules.items():
+        check_number(dest, getattr(args, dest, None), **bounds)
+
+
+def check_readable_file(path, what: str) -> Path:
+    """An existing, readable file, or DataError naming the flag and the file."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{what} {path}: no such file")
+    if p.is_dir():
+        raise DataError(f"{what} {path} is a folder; expected a file")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"{what} {path} is not readable (permissions)")
+    return p
+
+
+def check_writable_dir(path, what: str) -> Path:
+    """A folder that exists and is writable, or can be created under a writable parent."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise DataError(f"{what} {path} is a file; expected a folder (choose another {what})")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DataError(f"{what} {path}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
+    return p
+
+
+# ---- common/data.py ----
+# Reading and validating conversation data (JSONL of {"messages"} or {"prompt", "completion"}).
+import json
+import random
+from pathlib import Path
+
+
+def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
+    """(line number, object) for each non-blank line; bad bytes or bad JSON is a DataError naming the line."""
+    if not path:
+        raise DataError(f"no data: pass {what} FILE.jsonl (or edit the EDIT ME loader)")
+    try:
+        raw = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise DataError(f"{what} {path} is a folder; expected a JSONL file") from None
+    except OSError as e:
+        raise DataError(f"cannot read {what} {path}: {e.strerror}; expected a JSONL file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not rows:
+        raise DataError(f"{path} has no examples; expected one JSON object per line")
+    return rows
+
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def validate_messages(msgs, where: str, *, need_assistant: bool = True) -> list[dict]:
+    """A checked copy of a conversation, or DataError naming the message and what is wrong."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        role = m["role"]
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(f"{where}: message {i} reasoning_content must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
+            raise DataError(f"{where}: message {i} tool_calls must be a list of "
+                            "{'type': 'function', 'function': {'name', 'arguments'}} objects")
+        if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
+            raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
+        clean.append(dict(m))
+    check_role_order(clean, where, need_assistant=need_assistant)
+    return clean
+
+
+def validate_example(obj, line_no) -> dict:
+    """A checked copy of one example ({"messages"} or {"prompt", "completion"}) plus "line"; else DataError."""
+    where = f"line {line_no}"
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'completion', "
+                        f"got {type(obj).__name__}")
+    if "messages" in obj:
+        clean = validate_messages(obj["messages"], where)
+        tools = obj.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: 'tools' must be a list of JSON-schema tool objects")
+        return {"messages": clean, "line": line_no, **({"tools": tools} if tools else {})}
+    if "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise DataError(f"{where}: 'prompt' and 'completion' must both be strings")
+        if not completion.strip():
+            raise DataError(f"{where}: empty completion; nothing to train on")
+        return {"prompt": prompt, "completion": completion, "line": line_no}
+    raise DataError(f"{where}: expected a 'messages' list or 'prompt'/'completion' strings, got keys {sorted(obj)}")
+
+
+def check_role_order(msgs, where, *, need_assistant=True):
+    roles = [m["role"] for m in msgs]
+    if need_assistant and "assistant" not in roles:
+        raise DataError(f"{where}: conversation has no assistant turn; add a {{'role': 'assistant'}} message to train on")
+    prev = None
+    for i, role in enumerate(roles):
+        bad = None
+        if role in ("system", "developer") and any(r not in ("system", "developer") for r in roles[:i]):
+            bad = f"a {role} message may only open the conversation"
+        elif role == "assistant" and prev not in ("user", "tool"):
+            bad = "an assistant message must follow a user (or tool) message"
+        elif role == "tool" and prev not in ("assistant", "tool"):
+            bad = "a tool message must follow an assistant message"
+        elif role == "user" and prev == "user":
+            bad = "two user messages in a row"
+        if bad:
+            raise DataError(f"{where}: roles out of order at message {i} ({' -> '.join(roles)}): {bad}")
+        prev = role
+
+
+def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2:
+            where, obj = item
+        else:
+            where, obj = i + 1, item
+        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+    return out
+
+
+def split_examples(train, test, fraction, seed):
+    """(train, held-out): `test` when given, else a seeded `fraction` of the training examples."""
+    if test is not None or fraction == 0 or len(train) < 2:
+        return train, test or []
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(1, round(fraction * len(train)))])
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+# ---- common/render.py ----
+# Tokenizer loading, the run record's "format", and rendering through the model's own chat template.
+#
+# The masking rule: a datum's weights are 1 exactly on what the model must produce after the generation
+# prompt (the assistant's tokens, end-of-turn token included) and 0 on everything else. Rendering is
+# deterministic: the date a template prints is frozen, so a resumed run renders the same datums.
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+
+
+FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
+FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given
+
+
+def has_reasoning(message):
+    return bool((message.get("reasoning_content") or "").strip()) or "<think>" in message.get("content", "")
+
+
+def tokenizer_record(name_or_path: str) -> str:
+    """An existing folder as an absolute path, so tinker_infer.py --run finds it from any directory;
+    a hub name unchanged."""
+    return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
+
+
+def load_tokenizer(name_or_path: str):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+
+    The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
+    to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    from transformers import AutoTokenizer
+
+    if os.path.isdir(name_or_path):
+        return AutoTokenizer.from_pretrained(name_or_path)
+    if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+                        "tokenizer.json) or a hub name")
+    name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
+    kwargs = {}
+    if name.startswith("meta-llama/Llama-3"):
+        name = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # ungated copy the SDK uses
+    elif name.count("/") == 2:
+        name = name.rsplit("/", 1)[0]  # org/model/variant -> org/model
+    if name.startswith("moonshotai/Kimi-K"):
+        kwargs["trust_remote_code"] = True
+    with contextlib.suppress(Exception):
+        return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
+    failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
+    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+                 "HF_HUB_OFFLINE=1")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(failed + f"the hub is unreachable ({unreachable})" + next_step)
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except Exception as e:  # gated, misspelt, network lost: all end the same way for the user
+        raise DataError(f"cannot load the tokenizer for {name_or_path!r} from the hub ({type(e).__name__})"
+                        + next_step) from None
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why one TCP connection to the hub (HF_ENDPOINT, or the proxy for it) fails, or None if it opens."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or type(e).__name__}"
+    return None
+
+
+def chat_format(tokenizer, *, name: str, thinking: bool = False) -> dict:
+    """The run record's "format" for chat-template rendering (see DEVELOPING.md)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # some tokenizers ship named templates
+        template = template.get("default") or next(iter(template.values()))
+    if not template:
+        raise DataError(f"tokenizer {name!r} has no chat template; use --format raw")
+    fmt = {
+        "kind": "chat",
+        "template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "template_kwargs": {
+            "enable_thinking": thinking,  # Qwen3
+            "thinking": thinking,  # DeepSeek V3.1
+            "date_string": FROZEN_DATE_STRING,  # Llama 3.x
+            "strftime_now": FROZEN_DATE,  # gpt-oss prints strftime_now("%Y-%m-%d"); frozen while rendering
+        },
+        "stop": [],
+        "tokenizer": name,
+    }
+    fmt["stop"] = stop_tokens(tokenizer, fmt)
+    return fmt
+
+
+def raw_format(tokenizer, *, name: str) -> dict:
+    """The run record's "format" for plain text + explicit EOS (base models)."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"tokenizer {name!r} has no EOS token; raw format needs one to learn to stop")
+    return {
+        "kind": "raw",
+        "stop": [tokenizer.eos_token_id],
+        "bos": tokenizer.bos_token_id is not None,
+        "conversation": "role-colon: 'User: ...\\n\\nAssistant: ...'",
+        "tokenizer": name,
+    }
+
+
+@contextlib.contextmanager
+def _frozen_clock(date_iso):
+    # transformers builds strftime_now() on datetime.now() and rebuilds any callable kwarg into a
+    # string, so the only way to freeze the date a template prints is its module's clock.
+    mod = importlib.import_module("transformers.utils.chat_template_utils")
+    real = getattr(mod, "datetime", None)
+    if real is None or not date_iso:
+        yield
+        return
+
+    class FrozenDatetime(real):
+        @classmethod
+        def now(cls, tz=None):
+            return real.fromisoformat(date_iso)
+
+    mod.datetime = FrozenDatetime
+    try:
+        yield
+    finally:
+        mod.datetime = real
+
+
+def _tool_call_arguments(messages, as_text):
+    """Copies of messages whose tool-call arguments are dicts (the transformers convention, which
+    Qwen3, Qwen3.5, gpt-oss and Kimi templates expect) or JSON text (DeepSeek V3.1 concatenates)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m, tool_calls=[dict(c, function=_arguments(c["function"], as_text)) for c in m["tool_calls"]])
+        out.append(m)
+    return out
+
+
+def _arguments(function, as_text):
+    args = function.get("arguments", {})
+    if as_text and not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    elif not as_text and isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise RenderError(f"tool call {function.get('name')!r} has arguments that are not JSON: {args[:80]!r}") from None
+    return dict(function, arguments=args)
+
+
+def _apply_template(tokenizer, messages, fmt, *, add_generation_prompt, thinking=None, tools=None):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    if thinking is not None:
+        kwargs["enable_thinking"] = kwargs["thinking"] = thinking
+    if tools:
+        kwargs["tools"] = tools
+
+    def render(msgs):
+        with _frozen_clock(frozen):
+            return tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+            )
+
+    try:
+        try:
+            ids = render(_tool_call_arguments(messages, as_text=False))
+        except TypeError:  # a template that concatenates arguments as text (DeepSeek V3.1)
+            ids = render(_tool_call_arguments(messages, as_text=True))
+    except RenderError:
+        raise
+    except Exception as e:  # jinja errors: one line naming the template, never a traceback
+        raise RenderError(
+            f"chat template of {fmt.get('tokenizer')} failed on this conversation: {type(e).__name__}: {e}"
+        ) from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older transformers ignore return_dict=False
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _role_colon_text(messages):
+    """Raw-format rendering of a conversation: the prompt text ending in 'Assistant:'."""
+    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(parts + ["Assistant:"])
+
+
+def _raw_assistant_text(message):
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
+
+
+def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
+    """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
+    assistant header."""
+    if fmt["kind"] == "chat":
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return _apply_template(tokenizer, messages, fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    text = messages if isinstance(messages, str) else _role_colon_text(messages)
+    bos = [tokenizer.bos_token_id] if fmt.get("bos") and tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclasses.dataclass
+class Rendered:
+    """One datum before the shift: token ids and per-token loss weights (same length, unshifted)."""
+
+    tokens: list[int]
+    weights: list[float]
+
+
+def _is_special(tokenizer, tok):
+    return tok in tokenizer.all_special_ids or tok in getattr(tokenizer, "added_tokens_decoder", {})
+
+
+def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
+    """Rendered for assistant message i: weights 1 exactly on what the model must produce after the
+    generation prompt, end-of-turn token included."""
+    thinking = fmt["template_kwargs"].get("enable_thinking", False) or has_reasoning(messages[i])
+    prompt = _apply_template(tokenizer, messages[:i], fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    full = _apply_template(tokenizer, messages[: i + 1], fmt, add_generation_prompt=False, thinking=thinking,
+                           tools=tools)
+    template_id = f"{fmt.get('tokenizer')} (template sha256 {fmt['template_sha256'][:12]})"
+    if full[: len(prompt)] != prompt:
+        raise RenderError(
+            f"chat template of {template_id} renders message {i} so that the generation prompt is not a "
+            "prefix of the conversation; training on it would not match sampling (try --format raw)"
+        )
+    completion = full[len(prompt):]
+    # The template may append whitespace after the end-of-turn token (Qwen3: "<|im_end|>\n"): the
+    # sampler stops at the end-of-turn token and never produces it, so it is not trained.
+    while completion and not _is_special(tokenizer, completion[-1]) and not tokenizer.decode([completion[-1]]).strip():
+        completion.pop()
+    if not completion:
+        raise RenderError(f"chat template of {template_id} renders assistant message {i} as nothing")
+    if not _is_special(tokenizer, completion[-1]):
+        raise RenderError(
+            f"chat template of {template_id} ends assistant message {i} with "
+            f"{tokenizer.decode(completion[-1:])!r}, not an end-of-turn special token; the model would never learn to stop"
+        )
+    reasoning = (messages[i].get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in tokenizer.decode(completion):
+        raise RenderError(
+            f"chat template of {template_id} drops the reasoning_content of assistant message {i} "
+            "(Kimi K2 keeps it only before a tool call; DeepSeek V3.1 never renders it); "
+            "remove reasoning_content to train the answer alone"
+        )
+    return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
+
+
+def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[Rendered]:
+    """The datums of one validated example.
+
+    chat, last-assistant: one datum training the last assistant message.
+    chat, all-assistant: every assistant message is trained; consecutive turns share one datum when
+        the earlier datum's tokens are a prefix of the later one (the template has the extension
+        property). Otherwise each turn is its own datum, rendered in the context the model really
+        sees at that turn (Qwen3 drops earlier turns' <think> blocks, so its turns are separate).
+    Reasoning: a message with reasoning_content (or <think> in its content) renders with thinking on
+        and its reasoning is trained; other messages render with the format's thinking switch.
+    raw: [bos] + prompt + completion + [eos], weights on completion + eos; a conversation becomes
+        role-colon text ('User: ...\\n\\nAssistant:') with the assistant content as completion.
+    """
+    if fmt["kind"] == "chat":
+        messages = example.get("messages") or [
+            {"role": "user", "content": example["prompt"]},
+            {"role": "assistant", "content": example["completion"]},
+        ]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
+        return _merge_extensions(rendered)
+
+    eos = tokenizer.eos_token_id
+    if "messages" in example:
+        messages = example["messages"]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        pairs = [(messages[:i], " " + _raw_assistant_text(messages[i])) for i in turns]
+    else:
+        pairs = [(example["prompt"], example["completion"])]
+    out = []
+    for prompt_part, completion_text in pairs:
+        prompt = generation_prompt(prompt_part, tokenizer, fmt)
+        completion = tokenizer.encode(completion_text, add_special_tokens=False) + [eos]
+        out.append(Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
+    return _merge_extensions(out)
+
+
+def _merge_extensions(rendered):
+    merged = []
+    for r in rendered:
+        last = merged[-1] if merged else None
+        if last is not None and r.tokens[: len(last.tokens)] == last.tokens:
+            merged[-1] = Rendered(r.tokens, last.weights + r.weights[len(last.tokens):])
+        else:
+            merged.append(r)
+    return merged
+
+
+def stop_tokens(tokenizer, fmt) -> list[int]:
+    """Token ids that end a sampled turn: the end-of-turn token the renderer trains (found by rendering
+    a probe conversation), plus Harmony's <|call|> when the end-of-turn is <|return|>; raw: [eos]."""
+    if fmt["kind"] != "chat":
+        return [tokenizer.eos_token_id]
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    end = _render_chat_turn(probe, 1, tokenizer, fmt).tokens[-1]
+    stops = [end]
+    if tokenizer.convert_ids_to_tokens(end) == "<|return|>":
+        call = tokenizer.convert_tokens_to_ids("<|call|>")
+        if isinstance(call, int) and call != tokenizer.unk_token_id:
+            stops.append(call)
+    return stops
+
+
+def to_datum(r: Rendered):
+    """The shift by one: model_input = tokens[:-1], target_tokens = tokens[1:], weights = weights[1:]."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
+    )
+
+
+def weighted_spans(tokenizer, r: Rendered) -> list[str]:
+    """Decoded text of each run of consecutive weighted tokens (what the audit shows a human)."""
+    spans, current = [], []
+    for tok, w in zip(r.tokens, r.weights):
+        if w:
+            current.append(tok)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return [tokenizer.decode(s) for s in spans]
+
+
+def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
+    """--format auto|chat|raw: auto is raw for *-Base models or tokenizers without a template, else chat."""
+    if kind == "auto":
+        base = model_name.split(":", 1)[0].endswith("-Base")
+        kind = "raw" if base or not tokenizer.chat_template else "chat"
+    if kind == "chat":
+        return chat_format(tokenizer, name=tokenizer_name, thinking=thinking)
+    return raw_format(tokenizer, name=tokenizer_name)
+
+
+def render_all(examples, tokenizer, fmt, train_on) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+    out = []
+    for ex in examples:
+        try:
+            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
+        except RenderError as e:
+            raise RenderError(f"line {ex['line']}: {e}") from None
+    return out
+
+
+def apply_length_limit(rendered, limit, mode):
+    """(kept, dropped lines) of [(line, Rendered)]. mode: 'error' | 'drop' | 'truncate'."""
+    if not limit:
+        return rendered, []
+    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
+    if not long:
+        return rendered, []
+    if mode == "error":
+        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
+        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
+        raise DataError(
+            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
+            "or pass --drop-long or --truncate")
+    kept, dropped = [], []
+    for line, r in rendered:
+        if len(r.tokens) <= limit:
+            kept.append((line, r))
+        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
+            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
+        else:  # dropped, or truncation would leave nothing to train
+            dropped.append(line)
+    return kept, dropped
+
+
+# ---- common/run_record.py ----
+# The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
+#
+# Nothing is lost on a crash: rows are appended and fsynced one at a time, config.json is replaced
+# atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
+# changes until every check that can refuse the run (flags, data, budget) has passed.
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Run:
+    """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
+    `rewind` and `checkpoint` are the only writers."""
+
+    def __init__(self, path, extra_files=()):
+        self.path = Path(path)
+        self.files = RUN_FILES + tuple(extra_files)
+
+    def file(self, name) -> Path:
+        return self.path / name
+
+    def rows(self, name) -> list[dict]:
+        """Rows of a JSONL file; a torn line (a kill mid-write) is skipped, a missing file is []."""
+        path = self.file(name)
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def append(self, name, row: dict) -> None:
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        path = self.file(name)
+        with open(path, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(row) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_json(self, name, obj) -> None:
+        """Atomic replace: a kill leaves the old file or the new one, never half of one."""
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def write_rows(self, name, rows) -> None:
+        """Replace a JSONL file atomically (e.g. a dry run's datums.jsonl); creates the folder."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def config(self) -> dict:
+        try:
+            return json.loads(self.file("config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def holds_run(self) -> bool:
+        return any(self.file(n).exists() for n in ("metrics.jsonl", "checkpoints.jsonl"))
+
+    def checkpoints(self) -> list[dict]:
+        return [r for r in self.rows("checkpoints.jsonl") if r.get("state_path")]
+
+    def resume_point(self, *, resume: bool, overwrite: bool, dry_run: bool = False) -> dict | None:
+        """The checkpoint row --resume continues from (None for a new run). Refuses to mix two runs in
+        one folder. Writes nothing."""
+        if resume:
+            rows = self.checkpoints()
+            if not rows:
+                raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
+                                "without --resume (add --overwrite to replace what is there)")
+            return rows[-1]
+        if self.holds_run() and not overwrite and not dry_run:
+            raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
+                            "replace it (or choose another --log-path)")
+        return None
+
+    def check_resume(self, config: dict, keys) -> None:
+        """DataError naming every setting in `keys` (and the format) that differs from the saved run.
+        config.json is never rewritten on resume: the saved settings stay the record of the run."""
+        saved = self.config()
+        if not saved:
+            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
+                            "run cannot be checked (start a new run with --overwrite)")
+        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        saved_fmt = dict(saved.get("format") or {})
+        if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
+            saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
+        if saved_fmt and saved_fmt != config.get("format"):
+            diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        if diffs:
+            raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
+                            "resume with the original flags (or start a new --log-path)")
+
+    def begin(self, config: dict) -> None:
+        """A new run: the folder's old record removed, config.json written. Call after every check."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            self.file(name).unlink(missing_ok=True)
+        self.write_json("config.json", config)
+
+    def rewind(self, name, keep) -> None:
+        """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
+        if not self.file(name).exists():
+            return
+        text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if keep(r))
+        tmp = self.file(name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.file(name))
+
+    def checkpoint(self, *, name, step, position: dict, epoch, state_path, sampler_path, fmt, **extra) -> dict:
+        """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
+        starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
+        row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+        self.append("checkpoints.jsonl", row)
+        return row
+
+
+# ---- common/training.py ----
+# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+import math
+import random
+
+
+# The cookbook's Adam values; the SDK's default eps is 1e-12.
+ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
+
+# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
+HIDDEN_SIZES = {
+    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
+    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
+    "meta-llama/Llama-3.3-70B-Instruct": 8192,
+    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
+    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
+    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
+    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
+    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
+}
+
+
+def recommended_learning_rate(model_name):
+    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
+    None when the family is not calibrated or the hidden size is unknown."""
+    name = model_name.split(":", 1)[0]
+    hidden = HIDDEN_SIZES.get(name)
+    lowered = name.lower()
+    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
+    if hidden is None or power is None:
+        return None
+    return 5e-5 * 10 * (2000 / hidden) ** power
+
+
+def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
+    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
+    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = (step - warmup_steps) / span
+    if schedule == "linear":
+        return 1 - progress
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def plan_steps(n_train, batch_size, epochs, max_steps):
+    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
+    same size; a data set smaller than one batch is one batch."""
+    per_epoch = max(n_train // batch_size, 1)
+    total = per_epoch * epochs
+    return per_epoch, min(total, max_steps) if max_steps else total
+
+
+class BatchOrder:
+    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
+    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
+    batches an uninterrupted one would."""
+
+    def __init__(self, n_train, batch_size, per_epoch, seed):
+        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
+        self._epoch, self._order = None, None
+
+    def __call__(self, step) -> list[int]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._order = list(range(self.n))
+            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order[index * self.size:(index + 1) * self.size]
+
+
+def trained_mask(r) -> list[float]:
+    """1.0 on each target position the loss trains (after the shift by one), else 0.0."""
+    return [1.0 if w else 0.0 for w in r.weights[1:]]
+
+
+def training_datums(rendered) -> list:
+    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss (the
+    cookbook default since its issue 271: long answers do not dominate a batch)."""
+    datums = []
+    for r in rendered:
+        n = sum(1 for w in r.weights[1:] if w) or 1
+        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
+    return datums
+
+
+def batch_nll(result, masks) -> float:
+    """NLL per trained token of a forward(_backward) result, from the per-datum target logprobs."""
+    total = count = 0.0
+    for out, mask in zip(result.loss_fn_outputs, masks):
+        logprobs = out["logprobs"].tolist()
+        total -= sum(lp * m for lp, m in zip(logprobs, mask))
+        count += sum(mask)
+    return total / max(count, 1.0)
+
+
+# ---- common/service.py ----
+# Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
+# and the optional cost preflight through tinker_pricing.py beside the script.
+import importlib
+import os
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
+REACH_TIMEOUT_S = 3.0
+CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
+LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+
+
+def service_url() -> str:
+    """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
+    return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
+
+
+def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, setting: str = "TINKER_BASE_URL") -> None:
+    """One TCP connection to the service within timeout_s, or AccessError. The SDK retries an unreachable
+    first call for minutes; this turns a dead TINKER_BASE_URL into a one-line exit 4 in seconds. Once the
+    service has answered, the SDK's own retries handle transient failures. setting: the flag or variable
+    that chose url, named in the error."""
+    import urllib.request
+
+    url = url or service_url()
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or parts.scheme not in ("http", "https"):
+        raise AccessError(f"{setting} {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000"
+                          + ("; unset it to use hosted Tinker" if setting == "TINKER_BASE_URL" else ""))
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(host):
+        return  # through a proxy the TCP check proves nothing; the SDK reports the failure
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, socket.gaierror):
+            reason = f"host {host} does not resolve"
+        local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
+        hint = LOCAL_HINT if local else "check the network"
+        raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
+                          f"{hint}, or fix {setting}") from None
+
+
+def require_credentials() -> str:
+    """The API key (or token) the SDK will send, or AccessError; never prints its value."""
+    import tinker
+
+    key = os.environ.get("TINKER_API_KEY", "")
+    if key and not key.startswith(("tml-", "eyJ")):
+        raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
+                          "from the Tinker console")
+    if not key and not tinker.auth.tinker_has_credentials():
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
+                          f"or {LOCAL_HINT}")
+    return key or tinker.auth.get_tinker_token() or ""
+
+
+def rest_client():
+    """RestClient for the current environment. Explicit arguments, because RestClient() with none reuses
+    the first one made in the process, whatever TINKER_BASE_URL says now."""
+    import tinker
+
+    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
+                             api_key=os.environ.get("TINKER_API_KEY") or None)
+
+
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
+    check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
+    sampled): no served-model check, context window None."""
+    import difflib
+
+    import tinker
+
+    require_credentials()
+    check_reachable()
+    if model_name is None:
+        return tinker.ServiceClient(), None
+    try:
+        caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
+        raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
+    except (tinker.APIConnectionError, tinker.APITimeoutError, TimeoutError, OSError) as e:
+        raise AccessError(f"no answer from {service_url()} ({type(e).__name__}); check the network or "
+                          "TINKER_BASE_URL") from None
+    models = {m.model_name: m for m in caps.supported_models if m.model_name}
+    model = models.get(model_name.split(":", 1)[0]) or models.get(model_name)
+    if model is None:
+        close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
+        shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
+        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+    if trainable and model.trainable is False:
+        raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
+    return tinker.ServiceClient(), model.max_context_length
+
+
+def check_tinker_path(path, need):
+    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
+        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
+    if parts[1] != need:
+        if need == "weights":
+            raise DataError(
+                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
+                "path saved by save_state (state_path in checkpoints.jsonl)")
+        raise DataError(
+            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
+            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
+    return path
+
+
+def load_pricing():
+    """tinker_pricing from beside this script, or None (then no dollar estimate)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module("tinker_pricing")
+    except ImportError:
+        return None
+
+
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
+    pricing = load_pricing()
+    if pricing is None:
+        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
+        say(note)
+        return None
+    try:
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
+    except pricing.BudgetExceeded as e:
+        raise BudgetError(str(e)) from None
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {e}") from None
+        say(f"no dollar estimate: {e}")
+        return None
+
+
+def catalogue_context(model_name):
+    """The model's context window from the price catalogue (for --dry-run), or None."""
+    pricing = load_pricing()
+    try:
+        return pricing.resolve_model(model_name).get("context") if pricing else None
+    except Exception:
+        return None
+# ==== END SHARED CODE (sha256 899fad626da3) ====
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))
