@@ -1,0 +1,1717 @@
+#!/usr/bin/env python3
+# /// script
+# requires-python = ">=3.11"
+# dependencies = [
+#     "tinker>=0.38,<0.39",
+#     "transformers",
+#     "jinja2>=3.1.6",  # transformers renders chat templates with jinja2 but does not declare it
+#     "numpy",
+# ]
+# ///
+"""On-policy distillation on Tinker: the student samples, a teacher grades every sampled token (reverse KL).
+
+Run:
+    # check for free (no Tinker call): renders every prompt, checks the teacher shares the student's
+    # tokenizer and chat template, estimates the cost including the teacher's prefill
+    uv run tinker_distill.py --dry-run --tokenizer PATH/TO/QWEN3 --teacher Qwen/Qwen3-32B --teacher-tokenizer PATH/TO/QWEN3
+    # distil: from a bigger model, or from the final sampler checkpoint of an SFT/RL run record
+    uv run tinker_distill.py --model-name Qwen/Qwen3-8B --teacher Qwen/Qwen3-32B --log-path runs/distill1 --max-usd 5
+    uv run tinker_distill.py --teacher runs/sft1 --prompts data/train.jsonl --log-path runs/distill2 --max-usd 5
+
+Edit:
+    The block marked `# ==== EDIT ME ====` below the settings: PROMPTS (or --prompts FILE.jsonl) and
+    load_prompts(path) -> list of prompts, each a list of chat messages ending with a user turn, or a str
+    for a base model. There is no reward function: the teacher's logprobs are the only signal.
+
+Outputs:
+    LOG/config.json       every setting (never the API key), the teacher (path, base model) and the "format"
+    LOG/metrics.jsonl     one row per iteration: reverse_kl (mean per sampled token, student minus teacher
+                          logprob), teacher/student logprob means, tokens sampled/trained/teacher-scored,
+                          frac_truncated, loss, sampler/learner KL, seconds, the prompts and sampling seeds
+    LOG/checkpoints.jsonl one row per save: name, step, next_iteration, epoch, state_path, sampler_path, format
+    stdout                one JSON object: status, log_path, iterations, state_path, sampler_path,
+                          reverse_kl {first, last}, teacher, format, sampling
+
+Requires:
+    TINKER_API_KEY (not for --dry-run); TINKER_BASE_URL to point at a local rehearsal backend
+    (scripts/tinker_local.py). --tokenizer / --teacher-tokenizer PATH, or HF_HUB_OFFLINE=1 with a warm
+    cache, to run offline.
+
+Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (prompts, flags, unknown model, a
+teacher whose tokenizer or chat template differs from the student's), 3 cost estimate above --max-usd,
+4 no credentials or Tinker unreachable, 130 interrupted (resume with --resume).
+
+Why a sibling of tinker_rl.py rather than a --teacher flag on it: distillation has no reward function,
+no groups (advantages are not compared inside a group, so --group-size only shares a prompt's prefill)
+and a different datum (one advantage per token from the teacher instead of one per episode). Grafted
+onto the RL loop, every RL rule (tied groups, reward contracts, environments) would need an exception.
+
+The recipe (tinker-cookbook distillation/train_on_policy.py, incorporate_kl_penalty): per iteration,
+snapshot the student into a sampling client; sample --group-size completions of each of --batch-size
+prompts; the teacher's compute_logprobs on the same tokens (prompt + completion) scores each sampled
+token; advantage = -(student logprob - teacher logprob) * --kl-coef on completion tokens (the negative
+per-token reverse KL), 0 on prompt tokens; forward_backward("importance_sampling") with the sampler's
+logprobs as the behaviour policy, optim_step submitted right behind it. Teacher and student must share
+the tokenizer and chat template: the teacher scores the student's token ids as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+# At most this many sample / compute_logprobs requests in flight: hosted Tinker answers 429 under a
+# burst (issue 21), and the SDK's own retries then back off one request at a time.
+MAX_IN_FLIGHT = 64
+# Settings a --resume must repeat: any other value would make the resumed run a different run.
+RESUME_KEYS = ("model_name", "teacher", "teacher_base", "lora_rank", "learning_rate", "batch_size",
+               "group_size", "max_tokens", "temperature", "kl_coef", "seed", "prompts_sha256")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="On-policy distillation on Tinker: the student samples, the teacher's logprobs grade it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-name", default="Qwen/Qwen3-8B", help="the student (trained with LoRA)")
+    p.add_argument("--tokenizer", default=None, help="student tokenizer folder or hub id (default: the model's)")
+    p.add_argument("--teacher", default=None,
+                   help="a model name, a tinker://.../sampler_weights/NAME path, or a run record folder "
+                        "(LOG of tinker_sft.py / tinker_rl.py: its final sampler checkpoint)")
+    p.add_argument("--teacher-base", default=None,
+                   help="base model of a tinker:// teacher (default: asked from Tinker; needed for --dry-run)")
+    p.add_argument("--teacher-tokenizer", default=None,
+                   help="teacher tokenizer folder or hub id (default: the teacher's base model's)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL of {'messages': [...]} or {'prompt': str}; a trailing assistant turn is dropped, "
+                        "so an SFT data file works (default: PROMPTS in the EDIT ME block)")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--learning-rate", type=float, default=1e-4, help="cookbook distillation recipes: 1e-4 (LoRA)")
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
+    p.add_argument("--group-size", type=int, default=4, help="samples per prompt (they share its prefill)")
+    p.add_argument("--max-tokens", type=int, default=256, help="completion tokens per sample")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--kl-coef", type=float, default=1.0, help="advantage = -kl_coef * (student - teacher logprob)")
+    p.add_argument("--save-every", type=int, default=10, help="iterations between save_state; 0 = only final")
+    p.add_argument("--log-path", default="runs/distill")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-usd", type=float, default=None, help="stop before any paid call if the estimate is above")
+    p.add_argument("--dry-run", action="store_true", help="render and check, no Tinker call")
+    p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
+    p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
+    return p.parse_args(argv)
+
+
+# ==== EDIT ME: PROMPTS / load_prompts() ====
+# Prompts the student answers and the teacher grades. No answers are needed: the teacher's opinion of
+# every token the student samples is the training signal. Use prompts from the distribution you care
+# about; the student only learns where it samples.
+
+PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about a lighthouse.",
+    "What is 17 * 23? Show the steps briefly.",
+    "Give three tips for writing a clear commit message.",
+    "Translate 'Where is the train station?' into French and German.",
+    "Summarise the rules of tic-tac-toe in one paragraph.",
+    "Name two differences between a list and a tuple in Python.",
+    "Suggest a name for a bakery that sells only bread, and say why.",
+    "What causes the seasons on Earth?",
+    "Write a limerick about a cat who learns to code.",
+    "How many minutes are in a week? Explain the arithmetic.",
+    "Describe the water cycle for a ten-year-old.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "List the planets of the solar system in order from the Sun.",
+    "Give a one-sentence definition of entropy in information theory.",
+    "Write a polite email declining a meeting invitation.",
+]
+
+
+def load_prompts(path):
+    """The prompts to distil on: a list where each item is a list of {"role", "content"} messages ending
+    with a user (or tool) turn, rendered with the student's chat template, or a str (raw text for a base
+    model; a user message for a chat model).
+
+    Contract: return a non-empty list; the order is the order iterations draw from (shuffled per epoch
+    by --seed). With --prompts FILE.jsonl each line is {"messages": [...]} or {"prompt": str}; a
+    trailing assistant message is dropped, so SFT data doubles as prompts.
+    """
+    if not path:
+        return list(PROMPTS)
+    prompts = []
+    for line_no, obj in read_jsonl(path, "--prompts"):
+        where = f"{path} line {line_no}"
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+            continue
+        if not isinstance(obj, dict) or "messages" not in obj:
+            raise DataError(f"{where}: expected {{'messages': [...]}} or {{'prompt': str}}")
+        messages = validate_messages(obj["messages"], where, need_assistant=False)
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        if not messages or messages[-1]["role"] not in ("user", "tool"):
+            raise DataError(f"{where}: the prompt must end with a user (or tool) message")
+        prompts.append(messages)
+    return prompts
+
+# ==== END OF EDIT ME ====
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_settings(args)
+    student = prepare_student(args)
+    teacher = describe_teacher(args)
+    if teacher.tokenizer is not None:
+        check_same_rendering(student, teacher)
+    prompt_lengths = [len(t) for t in student.prompts]
+    say(f"{len(prompt_lengths)} prompts, {min(prompt_lengths)}-{max(prompt_lengths)} tokens; teacher {teacher.label}; "
+        f"{args.batch_size} prompts x {args.group_size} samples x <= {args.max_tokens} tokens per iteration")
+
+    if args.dry_run:
+        if teacher.tokenizer is None:
+            raise DataError(f"--dry-run cannot check the teacher {args.teacher} offline: its base model is asked "
+                            "from Tinker; pass --teacher-base MODEL (or the run record folder as --teacher)")
+        check_context(args, student.prompts, catalogue_context(args.model_name))
+        say("first prompt as the student and the teacher see it:\n" + student.tokenizer.decode(student.prompts[0]))
+        usd = preflight(args, teacher.base, prompt_lengths, 0)
+        emit({"status": "dry_run", "prompts": len(prompt_lengths),
+              "prompt_tokens": {"min": min(prompt_lengths), "mean": round(sum(prompt_lengths) / len(prompt_lengths), 1),
+                                "max": max(prompt_lengths)},
+              "max_tokens": args.max_tokens, "teacher": teacher.record(), "estimate_usd": usd,
+              "format": student.fmt})
+        return 0
+
+    service, context_window = connect(args.model_name)
+    check_context(args, student.prompts, context_window)
+    teacher_client = open_teacher(service, teacher, args)  # free: opening a sampler is not metered
+    if teacher.fmt is None:
+        check_same_rendering(student, teacher)
+    run = Run(args.log_path)
+    resume_row = run.resume_point(resume=args.resume, overwrite=args.overwrite)
+    config = {**vars(args), "teacher": teacher.path or teacher.base, "teacher_base": teacher.base,
+              "teacher_record": teacher.record(), "prompts_sha256": prompts_digest(student.prompts),
+              "n_prompts": len(student.prompts), "context_window": context_window, "format": student.fmt}
+    start = resume_row["next_iteration"] if resume_row else 0
+    if resume_row:
+        run.check_resume(config, RESUME_KEYS)
+    preflight(args, teacher.base, prompt_lengths, start)
+    if resume_row:
+        run.rewind("metrics.jsonl", lambda r: r.get("iteration", -1) < start)
+        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
+        say(f"resumed from {resume_row['state_path']} at iteration {start}")
+    else:
+        run.begin(config)
+        tc = service.create_lora_training_client(base_model=args.model_name, rank=args.lora_rank,
+                                                 seed=args.seed).result()
+
+    order = BatchOrder(len(student.prompts), args.batch_size,
+                       max(len(student.prompts) // args.batch_size, 1), args.seed)
+    room = max_tokens_with_room(args.max_tokens, prompt_lengths, context_window)
+    final = resume_row if resume_row and start >= args.iterations else None
+    for it in range(start, args.iterations):
+        t0 = time.time()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        indices = order(it)
+        seeds = [sampling_seed(args.seed, it, slot) for slot in range(len(indices))]
+        sequences = asyncio.run(sample_and_grade(sampler, teacher_client, [student.prompts[i] for i in indices],
+                                                 seeds, args.group_size, room, args.temperature, student.fmt["stop"]))
+        t1 = time.time()
+        datums, reverse_kl, stats = [], [], {"teacher": [], "student": []}
+        for seq in sequences:
+            datum, kl = distill_datum(seq.prompt, seq.completion, seq.logprobs, seq.teacher_logprobs, args.kl_coef)
+            datums.append(datum)
+            reverse_kl += kl
+            stats["student"] += seq.logprobs
+            stats["teacher"] += seq.teacher_logprobs[len(seq.prompt):]
+        fb = tc.forward_backward(datums, loss_fn="importance_sampling")
+        step = tc.optim_step(tinker_adam(args.learning_rate))
+        result = fb.result()
+        step.result()
+        t2 = time.time()
+        row = {
+            "iteration": it, "reverse_kl": mean(reverse_kl),
+            "teacher_logprob": mean(stats["teacher"]), "student_logprob": mean(stats["student"]),
+            "loss_sum": result.metrics.get("loss:sum"),
+            **sampler_learner_kl(datums, [len(s.prompt) for s in sequences], result.loss_fn_outputs),
+            "sequences": len(sequences), "frac_truncated": mean([s.truncated for s in sequences]),
+            "tokens_sampled": len(reverse_kl), "tokens_trained": sum(d.model_input.length for d in datums),
+            "tokens_teacher": sum(len(s.prompt) + len(s.completion) for s in sequences),
+            "kl_coef": args.kl_coef, "learning_rate": args.learning_rate,
+            "seconds_sampling_and_teacher": t1 - t0, "seconds_training": t2 - t1,
+            "prompts": indices, "sampling_seeds": seeds,
+        }
+        run.append("metrics.jsonl", row)
+        say(f"iter {it + 1}/{args.iterations} | reverse KL {row['reverse_kl']:.4f} | teacher lp "
+            f"{row['teacher_logprob']:.3f} | student lp {row['student_logprob']:.3f} | trunc "
+            f"{row['frac_truncated']:.2f} | sample+teacher {t1 - t0:.1f}s | train {t2 - t1:.1f}s")
+        done = it + 1
+        if args.save_every and done % args.save_every == 0 and done < args.iterations:
+            save_checkpoint(tc, run, f"{done:06d}", done, done * args.batch_size // len(student.prompts),
+                            student.fmt, final=False)
+    if final is None:
+        final = save_checkpoint(tc, run, "final", args.iterations,
+                                args.iterations * args.batch_size // len(student.prompts), student.fmt, final=True)
+    curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl")]
+    emit({"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
+          "state_path": final["state_path"], "sampler_path": final["sampler_path"],
+          "reverse_kl": {"first": curve[0] if curve else None, "last": curve[-1] if curve else None},
+          "teacher": teacher.record(), "format": student.fmt,
+          "sampling": {"model_path": final["sampler_path"], "stop": student.fmt["stop"],
+                       "hint": f"python tinker_infer.py --run {run.path}"}})
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The datum: one per sampled sequence, an advantage per token from the teacher
+
+
+def distill_datum(prompt, completion, sampler_logprobs, teacher_logprobs, kl_coef):
+    """(importance_sampling Datum, per-token reverse KL) of one sampled sequence.
+
+    prompt, completion: token ids; sampler_logprobs: the student sampler's logprob of each completion
+    token; teacher_logprobs: compute_logprobs(prompt + completion), one per token, None first.
+    The datum is shifted by one (input tokens[:-1], targets tokens[1:]): position i predicts token i+1,
+    so completion token j sits at position len(prompt) - 1 + j. There the behaviour logprob is the
+    sampler's, and the advantage is -kl_coef * (student - teacher) = kl_coef * (teacher - student);
+    every prompt position carries logprob 0 and advantage 0 (nothing to learn about the prompt).
+    """
+    import tinker
+
+    p, c = len(prompt), len(completion)
+    if p < 1 or c < 1:
+        raise ValueError(f"a sequence needs a prompt and a completion (got {p} and {c} tokens)")
+    if len(sampler_logprobs) != c or len(teacher_logprobs) != p + c:
+        raise ValueError(f"logprob lengths {len(sampler_logprobs)} (sampler) and {len(teacher_logprobs)} (teacher) "
+                         f"do not match {c} completion tokens after a {p}-token prompt")
+    teacher = teacher_logprobs[p:]
+    if any(t is None for t in teacher):
+        raise ValueError("the teacher returned no logprob for a completion token")
+    reverse_kl = [float(s) - float(t) for s, t in zip(sampler_logprobs, teacher)]
+    tokens = list(prompt) + list(completion)
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [0.0] * (p - 1) + [float(s) for s in sampler_logprobs],
+            "advantages": [0.0] * (p - 1) + [-kl_coef * d for d in reverse_kl],
+        },
+    )
+    return datum, reverse_kl
+
+
+def sampler_learner_kl(datums, prompt_lengths, outputs):
+    """Sampler vs learner on the sampled tokens (the ratio importance_sampling corrects): v1 =
+    mean(lp_sampler - lp_learner), v2 = half the mean square. Stable training keeps them below ~0.01."""
+    diffs = []
+    for datum, p, out in zip(datums, prompt_lengths, outputs):
+        learner = out["logprobs"].tolist()
+        sampler = datum.loss_fn_inputs["logprobs"].tolist()
+        diffs += [q - l for q, l in zip(sampler[p - 1:], learner[p - 1:])]
+    if not diffs:
+        return {}
+    return {"kl_sample_train_v1": mean(diffs), "kl_sample_train_v2": 0.5 * mean([d * d for d in diffs])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and grading: every prompt in flight, each sequence graded as soon as it is sampled
+
+
+@dataclasses.dataclass
+class Graded:
+    prompt: list
+    completion: list
+    logprobs: list
+    teacher_logprobs: list
+    truncated: bool
+
+
+async def sample_and_grade(sampler, teacher, prompts, seeds, group_size, max_tokens, temperature, stop):
+    """group_size samples of each prompt from the student, each scored by the teacher's compute_logprobs
+    on prompt + completion. Returns Graded sequences in prompt order, samples in the order sampled."""
+    import tinker
+
+    gate = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    async def grade(prompt, seq):
+        async with gate:
+            scored = await teacher.compute_logprobs(tinker.ModelInput.from_ints(list(prompt) + list(seq.tokens)))
+        return Graded(list(prompt), list(seq.tokens), list(seq.logprobs), list(scored), seq.stop_reason == "length")
+
+    async def one_prompt(prompt, seed):
+        params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed)
+        async with gate:
+            response = await sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=group_size,
+                                            sampling_params=params)
+        kept = [s for s in response.sequences if s.tokens]  # an empty completion has nothing to grade
+        return await asyncio.gather(*(grade(prompt, s) for s in kept))
+
+    groups = await asyncio.gather(*(one_prompt(p, s) for p, s in zip(prompts, seeds)))
+    sequences = [s for g in groups for s in g]
+    if not sequences:
+        raise ScriptError("the student sampled no tokens for any prompt this iteration; check --max-tokens")
+    return sequences
+
+
+def sampling_seed(seed, iteration, slot):
+    """The sampler seed of one prompt slot: a resumed run samples what an uninterrupted one would."""
+    return random.Random(f"{seed}:{iteration}:{slot}").randrange(2 ** 31)
+
+
+def tinker_adam(learning_rate):
+    import tinker
+
+    return tinker.AdamParams(learning_rate=learning_rate, **ADAM)
+
+
+def mean(values):
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Student, teacher, and the check that they read the same tokens the same way
+
+
+@dataclasses.dataclass
+class Student:
+    tokenizer: object
+    fmt: dict
+    prompts: list  # rendered prompt token ids, one per prompt
+
+
+@dataclasses.dataclass
+class Teacher:
+    label: str  # how the user named it, for messages
+    base: str | None  # the base model the teacher samples on (priced, tokenizer default)
+    path: str | None  # tinker://.../sampler_weights/NAME, or None for a base model
+    tokenizer: object = None
+    fmt: dict | None = None  # the teacher's own format (from its run record, or its tokenizer)
+    tokenizer_name: str | None = None
+
+    def record(self):
+        return {"teacher": self.label, "base_model": self.base, "model_path": self.path,
+                "tokenizer": self.tokenizer_name}
+
+
+def check_settings(args):
+    check_numbers(args, {
+        "lora_rank": dict(low=1), "learning_rate": dict(low=0, low_open=True), "iterations": dict(low=1),
+        "batch_size": dict(low=1), "group_size": dict(low=1), "max_tokens": dict(low=1),
+        "temperature": dict(low=0, low_open=True), "kl_coef": dict(low=0, low_open=True),
+        "save_every": dict(low=0), "max_usd": dict(low=0),
+    })
+    if not args.teacher:
+        raise DataError("no teacher: pass --teacher MODEL (e.g. Qwen/Qwen3-32B), a tinker://.../sampler_weights/NAME "
+                        "path, or the log folder of an SFT/RL run")
+    if args.resume and args.overwrite:
+        raise DataError("--resume and --overwrite contradict each other; pick one")
+    check_writable_dir(args.log_path, "--log-path")
+    if args.prompts:
+        check_readable_file(args.prompts, "--prompts")
+
+
+def prepare_student(args):
+    prompts = load_prompts(args.prompts)
+    if not isinstance(prompts, list) or not prompts:
+        raise DataError("load_prompts() returned no prompts; fill PROMPTS in the EDIT ME block or pass --prompts")
+    name = tokenizer_record(args.tokenizer or args.model_name)
+    tokenizer = load_tokenizer(name)
+    if all(isinstance(p, str) for p in prompts):
+        fmt = resolve_format("auto", args.model_name, tokenizer, name)
+    elif all(isinstance(p, list) and p for p in prompts):
+        fmt = resolve_format("chat", args.model_name, tokenizer, name)
+    else:
+        raise DataError("load_prompts() must return message lists for every prompt (or a str for every prompt "
+                        "with a base model)")
+    rendered = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list):
+            validate_messages(prompt, f"prompt {i}", need_assistant=False)
+        rendered.append(generation_prompt(prompt, tokenizer, fmt))
+    return Student(tokenizer, fmt, rendered)
+
+
+def describe_teacher(args):
+    """The teacher as far as it is known offline: a run record folder, a tinker:// path (its base model
+    from --teacher-base, else asked from Tinker later), or a model name."""
+    spec = args.teacher
+    if os.path.isdir(spec):
+        return teacher_from_run_record(Path(spec), args)
+    if spec.startswith("tinker://"):
+        path = check_tinker_path(spec, "sampler_weights")
+        teacher = Teacher(label=spec, base=args.teacher_base, path=path)
+    else:
+        if args.teacher_base and args.teacher_base != spec:
+            raise DataError(f"--teacher-base {args.teacher_base} applies to a tinker:// teacher, not the model {spec}")
+        teacher = Teacher(label=spec, base=spec, path=None)
+    if teacher.base:
+        load_teacher_tokenizer(teacher, args)
+    return teacher
+
+
+def teacher_from_run_record(log, args):
+    """The final sampler checkpoint of an SFT/RL run record, its base model and the format it trained with."""
+    run = Run(log)
+    config = run.config()
+    rows = [r for r in run.rows("checkpoints.jsonl") if r.get("sampler_path")]
+    if not config or not rows:
+        raise DataError(f"--teacher {log}: not a finished run record (needs config.json and a checkpoints.jsonl row "
+                        "with a sampler_path, written by the final save); pass a tinker://.../sampler_weights/NAME path")
+    base = config.get("model_name")
+    if args.teacher_base and args.teacher_base != base:
+        raise DataError(f"--teacher-base {args.teacher_base} contradicts the run record {log} (model_name {base})")
+    teacher = Teacher(label=str(log), base=base, path=rows[-1]["sampler_path"], fmt=rows[-1].get("format"))
+    load_teacher_tokenizer(teacher, args, (teacher.fmt or {}).get("tokenizer"))
+    return teacher
+
+
+def load_teacher_tokenizer(teacher, args, recorded=None):
+    teacher.tokenizer_name = tokenizer_record(args.teacher_tokenizer or recorded or teacher.base)
+    teacher.tokenizer = load_tokenizer(teacher.tokenizer_name)
+
+
+def open_teacher(service, teacher, args):
+    """The teacher's sampling client; a tinker:// teacher without a known base model learns it here."""
+    if teacher.path:
+        client = service.create_sampling_client(model_path=teacher.path).result()
+        served = client.get_base_model()
+        if teacher.base and served and served.split(":", 1)[0] != teacher.base.split(":", 1)[0]:
+            raise DataError(f"the teacher {teacher.path} samples on {served}, not {teacher.base} as given; "
+                            f"pass --teacher-base {served}")
+        if teacher.base is None:
+            teacher.base = served
+            load_teacher_tokenizer(teacher, args)
+        return client
+    return service.create_sampling_client(base_model=teacher.base).result()
+
+
+def check_same_rendering(student, teacher):
+    """DataError (exit 2) naming every difference that would make the teacher grade other text than the
+    student wrote: the vocabulary (the same ids must be the same tokens), the stop tokens, the chat
+    template (same sha256), and the teacher's run record format when it has one."""
+    reasons = rendering_differences(student.tokenizer, student.fmt, teacher.tokenizer, teacher_format(student, teacher))
+    if reasons:
+        raise DataError(f"the teacher {teacher.label} does not share the student's tokenizer and chat template: "
+                        f"{'; '.join(reasons)}. Distillation scores the student's token ids with the teacher, so "
+                        "both must read them the same way: pick a teacher of the same family (e.g. a bigger Qwen3 "
+                        "for a Qwen3 student)")
+
+
+def teacher_format(student, teacher):
+    if teacher.fmt is not None:
+        return teacher.fmt
+    if student.fmt["kind"] == "chat":
+        if not teacher.tokenizer.chat_template:
+            return {"kind": "raw", "stop": [teacher.tokenizer.eos_token_id], "tokenizer": teacher.tokenizer_name}
+        return chat_format(teacher.tokenizer, name=teacher.tokenizer_name,
+                           thinking=student.fmt["template_kwargs"].get("enable_thinking", False))
+    return raw_format(teacher.tokenizer, name=teacher.tokenizer_name)
+
+
+def rendering_differences(student_tok, student_fmt, teacher_tok, teacher_fmt) -> list[str]:
+    """What differs between how the student and the teacher read token ids (empty when nothing does)."""
+    reasons = []
+    student_vocab, teacher_vocab = vocab_digest(student_tok), vocab_digest(teacher_tok)
+    if student_vocab != teacher_vocab:
+        s_n, t_n = len(student_tok), len(teacher_tok)
+        reasons.append(f"vocabularies differ ({s_n} vs {t_n} tokens)" if s_n != t_n
+                       else f"vocabularies of {s_n} tokens map some ids to different tokens")
+    if student_fmt.get("kind") != teacher_fmt.get("kind"):
+        reasons.append(f"the student renders {student_fmt.get('kind')}, the teacher {teacher_fmt.get('kind')}")
+    elif student_fmt.get("kind") == "chat" and student_fmt.get("template_sha256") != teacher_fmt.get("template_sha256"):
+        reasons.append(f"chat templates differ (sha256 {student_fmt.get('template_sha256', '')[:12]} vs "
+                       f"{(teacher_fmt.get('template_sha256') or '')[:12]})")
+    if list(student_fmt.get("stop") or []) != list(teacher_fmt.get("stop") or []):
+        reasons.append(f"stop tokens differ ({student_fmt.get('stop')} vs {teacher_fmt.get('stop')})")
+    return reasons
+
+
+def vocab_digest(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def prompts_digest(rendered) -> str:
+    return hashlib.sha256(json.dumps(rendered).encode()).hexdigest()
+
+
+def check_context(args, rendered, context_window):
+    if context_window is None:
+        return
+    for i, tokens in enumerate(rendered):
+        if len(tokens) >= context_window:
+            raise DataError(f"prompt {i} is {len(tokens)} tokens, not below the context window of {context_window}; "
+                            "shorten it")
+    longest = max(map(len, rendered))
+    if longest + args.max_tokens > context_window:
+        say(f"note: longest prompt {longest} + --max-tokens {args.max_tokens} exceeds the context window "
+            f"{context_window}; completions are capped to the room left")
+
+
+def max_tokens_with_room(max_tokens, prompt_lengths, context_window):
+    if context_window is None:
+        return max_tokens
+    return max(1, min(max_tokens, context_window - max(prompt_lengths)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost: the student's sampling and training, plus the teacher's prefill of every sampled sequence
+
+
+def distill_tokens(iterations, batch_size, group_size, avg_prompt, avg_completion):
+    """Billed tokens of `iterations`, split by the model that meters them.
+
+    student: one sample call of group_size per prompt (prefill P once, cached (G-1)P, sample G*C), and
+    one datum per sequence (train P + C - 1). teacher: compute_logprobs is a sample call with
+    max_tokens=1 and prompt logprobs, so each sequence is prefilled (P + C) and samples 1 token;
+    counted at the full prefill rate (an upper bound: a prompt shared by a group may hit the cache)."""
+    prompts = iterations * batch_size
+    sequences = prompts * group_size
+    student = {"prefill": prompts * avg_prompt, "cached_prefill": prompts * (group_size - 1) * avg_prompt,
+               "sample": sequences * avg_completion, "train": sequences * (avg_prompt + avg_completion - 1)}
+    teacher = {"prefill": sequences * (avg_prompt + avg_completion), "sample": sequences}
+    return student, teacher
+
+
+def preflight(args, teacher_base, prompt_lengths, start):
+    """Dollar estimate of iterations start..--iterations (completions counted at --max-tokens, an upper
+    bound); BudgetError above --max-usd. One model prices it all when the teacher shares the student's
+    base model; otherwise each model is priced at its own rates and the sum is checked."""
+    remaining = max(0, args.iterations - start)
+    avg_prompt = sum(prompt_lengths) / len(prompt_lengths)
+    student, teacher = distill_tokens(remaining, min(args.batch_size, len(prompt_lengths)), args.group_size,
+                                      avg_prompt, args.max_tokens)
+    label = "distill" if not start else f"distill, remaining {remaining} of {args.iterations} iterations after --resume"
+    if teacher_base == args.model_name:
+        merged = {k: student.get(k, 0) + teacher.get(k, 0) for k in (*student, *teacher)}
+        est = estimate(args.model_name, merged, args.max_usd, label=f"{label} (teacher prefill included)")
+        return est["usd"]["total"] if est else None
+    est_s = estimate(args.model_name, student, None, label=f"{label}: student sampling + training")
+    est_t = estimate(teacher_base, teacher, None, label=f"{label}: teacher prefill on {teacher_base}")
+    totals = [e["usd"]["total"] if e else None for e in (est_s, est_t)]
+    total = None if None in totals else sum(totals)
+    if args.max_usd is not None:
+        if total is None:
+            unpriced = args.model_name if totals[0] is None else teacher_base
+            raise BudgetError(f"cannot check --max-usd {args.max_usd:g}: no price for {unpriced}; drop --max-usd "
+                              "or add its prices (tinker_pricing.py)")
+        if total > args.max_usd:
+            raise BudgetError(f"estimated ${total:,.2f} (student + teacher prefill) exceeds --max-usd {args.max_usd:g}; "
+                              "reduce --iterations/--batch-size/--group-size/--max-tokens, or raise --max-usd")
+    if total is not None:
+        say(f"estimated total ${total:,.2f} (student + teacher)")
+    return total
+
+
+def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final):
+    """save_state (and, for the final save, save_weights_for_sampler) submitted together; the row is
+    appended once both paths are known. Periodic saves expire after PERIODIC_TTL_SECONDS."""
+    state = tc.save_state(name, ttl_seconds=None if final else PERIODIC_TTL_SECONDS)
+    sampler = tc.save_weights_for_sampler(name) if final else None
+    return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
+                          state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
+                          fmt=fmt)
+
+
+# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, training, service) ====
+# Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
+# tests/test_shared_code.py fails when this copy differs from its source.
+
+
+# ---- common/errors.py ----
+# Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import json
+import signal
+import sys
+
+# 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
+# 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
+
+
+class ScriptError(Exception):
+    """A failure explained in one line: what failed, what was expected, the next command."""
+
+    exit_code = EXIT_FAILURE
+
+
+class DataError(ScriptError):
+    """Bad input or usage: data, flags, paths, unknown model, context overflow."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class RenderError(DataError):
+    """The chat template cannot produce a faithful datum for this example."""
+
+
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
+
+
+class AccessError(ScriptError):
+    """No credentials, credentials refused, or the service cannot be reached."""
+
+    exit_code = EXIT_NO_ACCESS
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the script is so `finally` blocks and the run record close cleanly."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def say(*parts) -> None:
+    """Progress and warnings: stderr, so stdout carries only the final JSON object."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def emit(obj: dict) -> None:
+    """The one JSON object a script prints on stdout."""
+    print(json.dumps(obj), flush=True)
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:limit]
+
+
+RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+
+def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
+    """Run main(argv) and turn every way it can end into an exit code and at most one stderr line.
+    error_json: also print {"status": "error"|"interrupted", "exit_code", "error"} on stdout, for a script
+    whose stdout always ends in one JSON object (tinker_infer.py); interrupted_hint: what to do after ^C."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return main(argv)
+    except ScriptError as e:
+        code, status, line = e.exit_code, "error", f"error: {one_line(e, 2000)}"
+    except Terminated:
+        code, status, line = 143, "interrupted", f"terminated: {interrupted_hint}"
+    except KeyboardInterrupt:
+        code, status, line = 130, "interrupted", f"interrupted: {interrupted_hint}"
+    except Exception as e:  # Tinker or runtime failure: one line; the SDK's log has the details
+        code, status, line = EXIT_FAILURE, "error", f"error: {type(e).__name__}: {one_line(e)}"
+    say(line)
+    if error_json:
+        emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
+    return code
+
+
+# ---- common/flags.py ----
+# Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
+import math
+import os
+from pathlib import Path
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_number(dest: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
+    """DataError unless value is a finite number within [low, high] (open ends where asked); None passes."""
+    if value is None:
+        return
+    name = flag_name(dest)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{name} {value!r}: expected a finite number")
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf' if high is None else high}{')' if high_open else ']'}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        raise DataError(f"{name} {value}: expected a value in {bounds}")
+
+
+def check_numbers(args, rules: dict) -> None:
+    """rules: {dest: dict(low=..., high=..., low_open=..., high_open=...)} checked against args.dest."""
+    for dest, bounds in rules.items():
+        check_number(dest, getattr(args, dest, None), **bounds)
+
+
+def check_readable_file(path, what: str) -> Path:
+    """An existing, readable file, or DataError naming the flag and the file."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{what} {path}: no such file")
+    if p.is_dir():
+        raise DataError(f"{what} {path} is a folder; expected a file")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"{what} {path} is not readable (permissions)")
+    return p
+
+
+def check_writable_dir(path, what: str) -> Path:
+    """A folder that exists and is writable, or can be created under a writable parent."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise DataError(f"{what} {path} is a file; expected a folder (choose another {what})")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DataError(f"{what} {path}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
+    return p
+
+
+# ---- common/data.py ----
+# Reading and validating conversation data (JSONL of {"messages"} or {"prompt", "completion"}).
+import json
+import random
+from pathlib import Path
+
+
+def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
+    """(line number, object) for each non-blank line; bad bytes or bad JSON is a DataError naming the line."""
+    if not path:
+        raise DataError(f"no data: pass {what} FILE.jsonl (or edit the EDIT ME loader)")
+    try:
+        raw = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise DataError(f"{what} {path} is a folder; expected a JSONL file") from None
+    except OSError as e:
+        raise DataError(f"cannot read {what} {path}: {e.strerror}; expected a JSONL file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not rows:
+        raise DataError(f"{path} has no examples; expected one JSON object per line")
+    return rows
+
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def validate_messages(msgs, where: str, *, need_assistant: bool = True) -> list[dict]:
+    """A checked copy of a conversation, or DataError naming the message and what is wrong."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        role = m["role"]
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(f"{where}: message {i} reasoning_content must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
+            raise DataError(f"{where}: message {i} tool_calls must be a list of "
+                            "{'type': 'function', 'function': {'name', 'arguments'}} objects")
+        if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
+            raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
+        clean.append(dict(m))
+    check_role_order(clean, where, need_assistant=need_assistant)
+    return clean
+
+
+def validate_example(obj, line_no) -> dict:
+    """A checked copy of one example ({"messages"} or {"prompt", "completion"}) plus "line"; else DataError."""
+    where = f"line {line_no}"
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'completion', "
+                        f"got {type(obj).__name__}")
+    if "messages" in obj:
+        clean = validate_messages(obj["messages"], where)
+        tools = obj.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: 'tools' must be a list of JSON-schema tool objects")
+        return {"messages": clean, "line": line_no, **({"tools": tools} if tools else {})}
+    if "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise DataError(f"{where}: 'prompt' and 'completion' must both be strings")
+        if not completion.strip():
+            raise DataError(f"{where}: empty completion; nothing to train on")
+        return {"prompt": prompt, "completion": completion, "line": line_no}
+    raise DataError(f"{where}: expected a 'messages' list or 'prompt'/'completion' strings, got keys {sorted(obj)}")
+
+
+def check_role_order(msgs, where, *, need_assistant=True):
+    roles = [m["role"] for m in msgs]
+    if need_assistant and "assistant" not in roles:
+        raise DataError(f"{where}: conversation has no assistant turn; add a {{'role': 'assistant'}} message to train on")
+    prev = None
+    for i, role in enumerate(roles):
+        bad = None
+        if role in ("system", "developer") and any(r not in ("system", "developer") for r in roles[:i]):
+            bad = f"a {role} message may only open the conversation"
+        elif role == "assistant" and prev not in ("user", "tool"):
+            bad = "an assistant message must follow a user (or tool) message"
+        elif role == "tool" and prev not in ("assistant", "tool"):
+            bad = "a tool message must follow an assistant message"
+        elif role == "user" and prev == "user":
+            bad = "two user messages in a row"
+        if bad:
+            raise DataError(f"{where}: roles out of order at message {i} ({' -> '.join(roles)}): {bad}")
+        prev = role
+
+
+def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2:
+            where, obj = item
+        else:
+            where, obj = i + 1, item
+        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+    return out
+
+
+def split_examples(train, test, fraction, seed):
+    """(train, held-out): `test` when given, else a seeded `fraction` of the training examples."""
+    if test is not None or fraction == 0 or len(train) < 2:
+        return train, test or []
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(1, round(fraction * len(train)))])
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+# ---- common/render.py ----
+# Tokenizer loading, the run record's "format", and rendering through the model's own chat template.
+#
+# The masking rule: a datum's weights are 1 exactly on what the model must produce after the generation
+# prompt (the assistant's tokens, end-of-turn token included) and 0 on everything else. Rendering is
+# deterministic: the date a template prints is frozen, so a resumed run renders the same datums.
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+
+
+FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
+FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given
+
+
+def has_reasoning(message):
+    return bool((message.get("reasoning_content") or "").strip()) or "<think>" in message.get("content", "")
+
+
+def tokenizer_record(name_or_path: str) -> str:
+    """An existing folder as an absolute path, so tinker_infer.py --run finds it from any directory;
+    a hub name unchanged."""
+    return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
+
+
+def load_tokenizer(name_or_path: str):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+
+    The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
+    to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    from transformers import AutoTokenizer
+
+    if os.path.isdir(name_or_path):
+        return AutoTokenizer.from_pretrained(name_or_path)
+    if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+                        "tokenizer.json) or a hub name")
+    name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
+    kwargs = {}
+    if name.startswith("meta-llama/Llama-3"):
+        name = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # ungated copy the SDK uses
+    elif name.count("/") == 2:
+        name = name.rsplit("/", 1)[0]  # org/model/variant -> org/model
+    if name.startswith("moonshotai/Kimi-K"):
+        kwargs["trust_remote_code"] = True
+    with contextlib.suppress(Exception):
+        return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
+    failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
+    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+                 "HF_HUB_OFFLINE=1")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(failed + f"the hub is unreachable ({unreachable})" + next_step)
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except Exception as e:  # gated, misspelt, network lost: all end the same way for the user
+        raise DataError(f"cannot load the tokenizer for {name_or_path!r} from the hub ({type(e).__name__})"
+                        + next_step) from None
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why one TCP connection to the hub (HF_ENDPOINT, or the proxy for it) fails, or None if it opens."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or type(e).__name__}"
+    return None
+
+
+def chat_format(tokenizer, *, name: str, thinking: bool = False) -> dict:
+    """The run record's "format" for chat-template rendering (see DEVELOPING.md)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # some tokenizers ship named templates
+        template = template.get("default") or next(iter(template.values()))
+    if not template:
+        raise DataError(f"tokenizer {name!r} has no chat template; use --format raw")
+    fmt = {
+        "kind": "chat",
+        "template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "template_kwargs": {
+            "enable_thinking": thinking,  # Qwen3
+            "thinking": thinking,  # DeepSeek V3.1
+            "date_string": FROZEN_DATE_STRING,  # Llama 3.x
+            "strftime_now": FROZEN_DATE,  # gpt-oss prints strftime_now("%Y-%m-%d"); frozen while rendering
+        },
+        "stop": [],
+        "tokenizer": name,
+    }
+    fmt["stop"] = stop_tokens(tokenizer, fmt)
+    return fmt
+
+
+def raw_format(tokenizer, *, name: str) -> dict:
+    """The run record's "format" for plain text + explicit EOS (base models)."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"tokenizer {name!r} has no EOS token; raw format needs one to learn to stop")
+    return {
+        "kind": "raw",
+        "stop": [tokenizer.eos_token_id],
+        "bos": tokenizer.bos_token_id is not None,
+        "conversation": "role-colon: 'User: ...\\n\\nAssistant: ...'",
+        "tokenizer": name,
+    }
+
+
+@contextlib.contextmanager
+def _frozen_clock(date_iso):
+    # transformers builds strftime_now() on datetime.now() and rebuilds any callable kwarg into a
+    # string, so the only way to freeze the date a template prints is its module's clock.
+    mod = importlib.import_module("transformers.utils.chat_template_utils")
+    real = getattr(mod, "datetime", None)
+    if real is None or not date_iso:
+        yield
+        return
+
+    class FrozenDatetime(real):
+        @classmethod
+        def now(cls, tz=None):
+            return real.fromisoformat(date_iso)
+
+    mod.datetime = FrozenDatetime
+    try:
+        yield
+    finally:
+        mod.datetime = real
+
+
+def _tool_call_arguments(messages, as_text):
+    """Copies of messages whose tool-call arguments are dicts (the transformers convention, which
+    Qwen3, Qwen3.5, gpt-oss and Kimi templates expect) or JSON text (DeepSeek V3.1 concatenates)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m, tool_calls=[dict(c, function=_arguments(c["function"], as_text)) for c in m["tool_calls"]])
+        out.append(m)
+    return out
+
+
+def _arguments(function, as_text):
+    args = function.get("arguments", {})
+    if as_text and not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    elif not as_text and isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise RenderError(f"tool call {function.get('name')!r} has arguments that are not JSON: {args[:80]!r}") from None
+    return dict(function, arguments=args)
+
+
+def _apply_template(tokenizer, messages, fmt, *, add_generation_prompt, thinking=None, tools=None):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    if thinking is not None:
+        kwargs["enable_thinking"] = kwargs["thinking"] = thinking
+    if tools:
+        kwargs["tools"] = tools
+
+    def render(msgs):
+        with _frozen_clock(frozen):
+            return tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+            )
+
+    try:
+        try:
+            ids = render(_tool_call_arguments(messages, as_text=False))
+        except TypeError:  # a template that concatenates arguments as text (DeepSeek V3.1)
+            ids = render(_tool_call_arguments(messages, as_text=True))
+    except RenderError:
+        raise
+    except Exception as e:  # jinja errors: one line naming the template, never a traceback
+        raise RenderError(
+            f"chat template of {fmt.get('tokenizer')} failed on this conversation: {type(e).__name__}: {e}"
+        ) from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older transformers ignore return_dict=False
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _role_colon_text(messages):
+    """Raw-format rendering of a conversation: the prompt text ending in 'Assistant:'."""
+    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(parts + ["Assistant:"])
+
+
+def _raw_assistant_text(message):
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
+
+
+def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
+    """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
+    assistant header."""
+    if fmt["kind"] == "chat":
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return _apply_template(tokenizer, messages, fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    text = messages if isinstance(messages, str) else _role_colon_text(messages)
+    bos = [tokenizer.bos_token_id] if fmt.get("bos") and tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclasses.dataclass
+class Rendered:
+    """One datum before the shift: token ids and per-token loss weights (same length, unshifted)."""
+
+    tokens: list[int]
+    weights: list[float]
+
+
+def _is_special(tokenizer, tok):
+    return tok in tokenizer.all_special_ids or tok in getattr(tokenizer, "added_tokens_decoder", {})
+
+
+def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
+    """Rendered for assistant message i: weights 1 exactly on what the model must produce after the
+    generation prompt, end-of-turn token included."""
+    thinking = fmt["template_kwargs"].get("enable_thinking", False) or has_reasoning(messages[i])
+    prompt = _apply_template(tokenizer, messages[:i], fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    full = _apply_template(tokenizer, messages[: i + 1], fmt, add_generation_prompt=False, thinking=thinking,
+                           tools=tools)
+    template_id = f"{fmt.get('tokenizer')} (template sha256 {fmt['template_sha256'][:12]})"
+    if full[: len(prompt)] != prompt:
+        raise RenderError(
+            f"chat template of {template_id} renders message {i} so that the generation prompt is not a "
+            "prefix of the conversation; training on it would not match sampling (try --format raw)"
+        )
+    completion = full[len(prompt):]
+    # The template may append whitespace after the end-of-turn token (Qwen3: "<|im_end|>\n"): the
+    # sampler stops at the end-of-turn token and never produces it, so it is not trained.
+    while completion and not _is_special(tokenizer, completion[-1]) and not tokenizer.decode([completion[-1]]).strip():
+        completion.pop()
+    if not completion:
+        raise RenderError(f"chat template of {template_id} renders assistant message {i} as nothing")
+    if not _is_special(tokenizer, completion[-1]):
+        raise RenderError(
+            f"chat template of {template_id} ends assistant message {i} with "
+            f"{tokenizer.decode(completion[-1:])!r}, not an end-of-turn special token; the model would never learn to stop"
+        )
+    reasoning = (messages[i].get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in tokenizer.decode(completion):
+        raise RenderError(
+            f"chat template of {template_id} drops the reasoning_content of assistant message {i} "
+            "(Kimi K2 keeps it only before a tool call; DeepSeek V3.1 never renders it); "
+            "remove reasoning_content to train the answer alone"
+        )
+    return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
+
+
+def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[Rendered]:
+    """The datums of one validated example.
+
+    chat, last-assistant: one datum training the last assistant message.
+    chat, all-assistant: every assistant message is trained; consecutive turns share one datum when
+        the earlier datum's tokens are a prefix of the later one (the template has the extension
+        property). Otherwise each turn is its own datum, rendered in the context the model really
+        sees at that turn (Qwen3 drops earlier turns' <think> blocks, so its turns are separate).
+    Reasoning: a message with reasoning_content (or <think> in its content) renders with thinking on
+        and its reasoning is trained; other messages render with the format's thinking switch.
+    raw: [bos] + prompt + completion + [eos], weights on completion + eos; a conversation becomes
+        role-colon text ('User: ...\\n\\nAssistant:') with the assistant content as completion.
+    """
+    if fmt["kind"] == "chat":
+        messages = example.get("messages") or [
+            {"role": "user", "content": example["prompt"]},
+            {"role": "assistant", "content": example["completion"]},
+        ]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
+        return _merge_extensions(rendered)
+
+    eos = tokenizer.eos_token_id
+    if "messages" in example:
+        messages = example["messages"]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        pairs = [(messages[:i], " " + _raw_assistant_text(messages[i])) for i in turns]
+    else:
+        pairs = [(example["prompt"], example["completion"])]
+    out = []
+    for prompt_part, completion_text in pairs:
+        prompt = generation_prompt(prompt_part, tokenizer, fmt)
+        completion = tokenizer.encode(completion_text, add_special_tokens=False) + [eos]
+        out.append(Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
+    return _merge_extensions(out)
+
+
+def _merge_extensions(rendered):
+    merged = []
+    for r in rendered:
+        last = merged[-1] if merged else None
+        if last is not None and r.tokens[: len(last.tokens)] == last.tokens:
+            merged[-1] = Rendered(r.tokens, last.weights + r.weights[len(last.tokens):])
+        else:
+            merged.append(r)
+    return merged
+
+
+def stop_tokens(tokenizer, fmt) -> list[int]:
+    """Token ids that end a sampled turn: the end-of-turn token the renderer trains (found by rendering
+    a probe conversation), plus Harmony's <|call|> when the end-of-turn is <|return|>; raw: [eos]."""
+    if fmt["kind"] != "chat":
+        return [tokenizer.eos_token_id]
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    end = _render_chat_turn(probe, 1, tokenizer, fmt).tokens[-1]
+    stops = [end]
+    if tokenizer.convert_ids_to_tokens(end) == "<|return|>":
+        call = tokenizer.convert_tokens_to_ids("<|call|>")
+        if isinstance(call, int) and call != tokenizer.unk_token_id:
+            stops.append(call)
+    return stops
+
+
+def to_datum(r: Rendered):
+    """The shift by one: model_input = tokens[:-1], target_tokens = tokens[1:], weights = weights[1:]."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
+    )
+
+
+def weighted_spans(tokenizer, r: Rendered) -> list[str]:
+    """Decoded text of each run of consecutive weighted tokens (what the audit shows a human)."""
+    spans, current = [], []
+    for tok, w in zip(r.tokens, r.weights):
+        if w:
+            current.append(tok)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return [tokenizer.decode(s) for s in spans]
+
+
+def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
+    """--format auto|chat|raw: auto is raw for *-Base models or tokenizers without a template, else chat."""
+    if kind == "auto":
+        base = model_name.split(":", 1)[0].endswith("-Base")
+        kind = "raw" if base or not tokenizer.chat_template else "chat"
+    if kind == "chat":
+        return chat_format(tokenizer, name=tokenizer_name, thinking=thinking)
+    return raw_format(tokenizer, name=tokenizer_name)
+
+
+def render_all(examples, tokenizer, fmt, train_on) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+    out = []
+    for ex in examples:
+        try:
+            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
+        except RenderError as e:
+            raise RenderError(f"line {ex['line']}: {e}") from None
+    return out
+
+
+def apply_length_limit(rendered, limit, mode):
+    """(kept, dropped lines) of [(line, Rendered)]. mode: 'error' | 'drop' | 'truncate'."""
+    if not limit:
+        return rendered, []
+    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
+    if not long:
+        return rendered, []
+    if mode == "error":
+        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
+        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
+        raise DataError(
+            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
+            "or pass --drop-long or --truncate")
+    kept, dropped = [], []
+    for line, r in rendered:
+        if len(r.tokens) <= limit:
+            kept.append((line, r))
+        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
+            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
+        else:  # dropped, or truncation would leave nothing to train
+            dropped.append(line)
+    return kept, dropped
+
+
+# ---- common/run_record.py ----
+# The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
+#
+# Nothing is lost on a crash: rows are appended and fsynced one at a time, config.json is replaced
+# atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
+# changes until every check that can refuse the run (flags, data, budget) has passed.
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Run:
+    """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
+    `rewind` and `checkpoint` are the only writers."""
+
+    def __init__(self, path, extra_files=()):
+        self.path = Path(path)
+        self.files = RUN_FILES + tuple(extra_files)
+
+    def file(self, name) -> Path:
+        return self.path / name
+
+    def rows(self, name) -> list[dict]:
+        """Rows of a JSONL file; a torn line (a kill mid-write) is skipped, a missing file is []."""
+        path = self.file(name)
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def append(self, name, row: dict) -> None:
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        path = self.file(name)
+        with open(path, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(row) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_json(self, name, obj) -> None:
+        """Atomic replace: a kill leaves the old file or the new one, never half of one."""
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def write_rows(self, name, rows) -> None:
+        """Replace a JSONL file atomically (e.g. a dry run's datums.jsonl); creates the folder."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def config(self) -> dict:
+        try:
+            return json.loads(self.file("config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def holds_run(self) -> bool:
+        return any(self.file(n).exists() for n in ("metrics.jsonl", "checkpoints.jsonl"))
+
+    def checkpoints(self) -> list[dict]:
+        return [r for r in self.rows("checkpoints.jsonl") if r.get("state_path")]
+
+    def resume_point(self, *, resume: bool, overwrite: bool, dry_run: bool = False) -> dict | None:
+        """The checkpoint row --resume continues from (None for a new run). Refuses to mix two runs in
+        one folder. Writes nothing."""
+        if resume:
+            rows = self.checkpoints()
+            if not rows:
+                raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
+                                "without --resume (add --overwrite to replace what is there)")
+            return rows[-1]
+        if self.holds_run() and not overwrite and not dry_run:
+            raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
+                            "replace it (or choose another --log-path)")
+        return None
+
+    def check_resume(self, config: dict, keys) -> None:
+        """DataError naming every setting in `keys` (and the format) that differs from the saved run.
+        config.json is never rewritten on resume: the saved settings stay the record of the run."""
+        saved = self.config()
+        if not saved:
+            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
+                            "run cannot be checked (start a new run with --overwrite)")
+        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        saved_fmt = dict(saved.get("format") or {})
+        if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
+            saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
+        if saved_fmt and saved_fmt != config.get("format"):
+            diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        if diffs:
+            raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
+                            "resume with the original flags (or start a new --log-path)")
+
+    def begin(self, config: dict) -> None:
+        """A new run: the folder's old record removed, config.json written. Call after every check."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            self.file(name).unlink(missing_ok=True)
+        self.write_json("config.json", config)
+
+    def rewind(self, name, keep) -> None:
+        """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
+        if not self.file(name).exists():
+            return
+        text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if keep(r))
+        tmp = self.file(name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.file(name))
+
+    def checkpoint(self, *, name, step, position: dict, epoch, state_path, sampler_path, fmt, **extra) -> dict:
+        """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
+        starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
+        row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+        self.append("checkpoints.jsonl", row)
+        return row
+
+
+# ---- common/training.py ----
+# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+import math
+import random
+
+
+# The cookbook's Adam values; the SDK's default eps is 1e-12.
+ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
+
+# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
+HIDDEN_SIZES = {
+    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
+    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
+    "meta-llama/Llama-3.3-70B-Instruct": 8192,
+    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
+    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
+    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
+    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
+    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
+}
+
+
+def recommended_learning_rate(model_name):
+    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
+    None when the family is not calibrated or the hidden size is unknown."""
+    name = model_name.split(":", 1)[0]
+    hidden = HIDDEN_SIZES.get(name)
+    lowered = name.lower()
+    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
+    if hidden is None or power is None:
+        return None
+    return 5e-5 * 10 * (2000 / hidden) ** power
+
+
+def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
+    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
+    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = (step - warmup_steps) / span
+    if schedule == "linear":
+        return 1 - progress
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def plan_steps(n_train, batch_size, epochs, max_steps):
+    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
+    same size; a data set smaller than one batch is one batch."""
+    per_epoch = max(n_train // batch_size, 1)
+    total = per_epoch * epochs
+    return per_epoch, min(total, max_steps) if max_steps else total
+
+
+class BatchOrder:
+    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
+    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
+    batches an uninterrupted one would."""
+
+    def __init__(self, n_train, batch_size, per_epoch, seed):
+        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
+        self._epoch, self._order = None, None
+
+    def __call__(self, step) -> list[int]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._order = list(range(self.n))
+            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order[index * self.size:(index + 1) * self.size]
+
+
+def trained_mask(r) -> list[float]:
+    """1.0 on each target position the loss trains (after the shift by one), else 0.0."""
+    return [1.0 if w else 0.0 for w in r.weights[1:]]
+
+
+def training_datums(rendered) -> list:
+    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss (the
+    cookbook default since its issue 271: long answers do not dominate a batch)."""
+    datums = []
+    for r in rendered:
+        n = sum(1 for w in r.weights[1:] if w) or 1
+        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
+    return datums
+
+
+def batch_nll(result, masks) -> float:
+    """NLL per trained token of a forward(_backward) result, from the per-datum target logprobs."""
+    total = count = 0.0
+    for out, mask in zip(result.loss_fn_outputs, masks):
+        logprobs = out["logprobs"].tolist()
+        total -= sum(lp * m for lp, m in zip(logprobs, mask))
+        count += sum(mask)
+    return total / max(count, 1.0)
+
+
+# ---- common/service.py ----
+# Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
+# and the optional cost preflight through tinker_pricing.py beside the script.
+import importlib
+import os
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
+REACH_TIMEOUT_S = 3.0
+CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
+LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+
+
+def service_url() -> str:
+    """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
+    return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
+
+
+def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, setting: str = "TINKER_BASE_URL") -> None:
+    """One TCP connection to the service within timeout_s, or AccessError. The SDK retries an unreachable
+    first call for minutes; this turns a dead TINKER_BASE_URL into a one-line exit 4 in seconds. Once the
+    service has answered, the SDK's own retries handle transient failures. setting: the flag or variable
+    that chose url, named in the error."""
+    import urllib.request
+
+    url = url or service_url()
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or parts.scheme not in ("http", "https"):
+        raise AccessError(f"{setting} {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000"
+                          + ("; unset it to use hosted Tinker" if setting == "TINKER_BASE_URL" else ""))
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(host):
+        return  # through a proxy the TCP check proves nothing; the SDK reports the failure
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, socket.gaierror):
+            reason = f"host {host} does not resolve"
+        local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
+        hint = LOCAL_HINT if local else "check the network"
+        raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
+                          f"{hint}, or fix {setting}") from None
+
+
+def require_credentials() -> str:
+    """The API key (or token) the SDK will send, or AccessError; never prints its value."""
+    import tinker
+
+    key = os.environ.get("TINKER_API_KEY", "")
+    if key and not key.startswith(("tml-", "eyJ")):
+        raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
+                          "from the Tinker console")
+    if not key and not tinker.auth.tinker_has_credentials():
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
+                          f"or {LOCAL_HINT}")
+    return key or tinker.auth.get_tinker_token() or ""
+
+
+def rest_client():
+    """RestClient for the current environment. Explicit arguments, because RestClient() with none reuses
+    the first one made in the process, whatever TINKER_BASE_URL says now."""
+    import tinker
+
+    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
+                             api_key=os.environ.get("TINKER_API_KEY") or None)
+
+
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
+    check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
+    sampled): no served-model check, context window None."""
+    import difflib
+
+    import tinker
+
+    require_credentials()
+    check_reachable()
+    if model_name is None:
+        return tinker.ServiceClient(), None
+    try:
+        caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
+        raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
+    except (tinker.APIConnectionError, tinker.APITimeoutError, TimeoutError, OSError) as e:
+        raise AccessError(f"no answer from {service_url()} ({type(e).__name__}); check the network or "
+                          "TINKER_BASE_URL") from None
+    models = {m.model_name: m for m in caps.supported_models if m.model_name}
+    model = models.get(model_name.split(":", 1)[0]) or models.get(model_name)
+    if model is None:
+        close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
+        shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
+        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+    if trainable and model.trainable is False:
+        raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
+    return tinker.ServiceClient(), model.max_context_length
+
+
+def check_tinker_path(path, need):
+    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
+        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
+    if parts[1] != need:
+        if need == "weights":
+            raise DataError(
+                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
+                "path saved by save_state (state_path in checkpoints.jsonl)")
+        raise DataError(
+            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
+            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
+    return path
+
+
+def load_pricing():
+    """tinker_pricing from beside this script, or None (then no dollar estimate)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module("tinker_pricing")
+    except ImportError:
+        return None
+
+
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
+    pricing = load_pricing()
+    if pricing is None:
+        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
+        say(note)
+        return None
+    try:
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
+    except pricing.BudgetExceeded as e:
+        raise BudgetError(str(e)) from None
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {e}") from None
+        say(f"no dollar estimate: {e}")
+        return None
+
+
+def catalogue_context(model_name):
+    """The model's context window from the price catalogue (for --dry-run), or None."""
+    pricing = load_pricing()
+    try:
+        return pricing.resolve_model(model_name).get("context") if pricing else None
+    except Exception:
+        return None
+# ==== END SHARED CODE (sha256 899fad626da3) ====
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_cli(main))
