@@ -73,7 +73,7 @@ def test_a_one_token_prompt_has_no_prompt_position():
     datum, reverse_kl = distill.distill_datum([5], [6, 7], [-1.0, -2.0], [None, -0.5, -0.5], kl_coef=1.0)
     assert datum.model_input.to_ints() == [5, 6]
     assert as_list(datum.loss_fn_inputs["advantages"]) == [0.5, 1.5]
-    assert reverse_kl == [0.5, 1.5]
+    assert reverse_kl == [-0.5, -1.5]
 
 
 @pytest.mark.parametrize("sampler, teacher", [
