@@ -1449,17 +1449,20 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
 
 
 def require_credentials() -> str:
-    """The API key (or token) the SDK will send, or AccessError; never prints its value."""
-    import tinker
-
+    """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
                           "from the Tinker console")
-    if not key and not tinker.auth.tinker_has_credentials():
+    if key:
+        return key
+    import tinker
+
+    if not tinker.auth.tinker_has_credentials():
         raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
                           f"or {LOCAL_HINT}")
-    return key or tinker.auth.get_tinker_token() or ""
+    return tinker.auth.get_tinker_token() or ""
 
 
 def rest_client():
@@ -1477,10 +1480,10 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     sampled): no served-model check, context window None."""
     import difflib
 
-    import tinker
-
     require_credentials()
     check_reachable()
+    import tinker
+
     if model_name is None:
         return tinker.ServiceClient(), None
     try:
@@ -1555,7 +1558,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 899fad626da3) ====
+# ==== END SHARED CODE (sha256 260c5ed03c36) ====
 
 
 if __name__ == "__main__":
