@@ -302,7 +302,7 @@ pre { white-space: pre-wrap; background: #f8f8f8; padding: 6px; font-size: 12px;
 .tok { display: inline-block; font-family: ui-monospace, monospace; font-size: 11px; padding: 0 2px; margin: 1px; border-radius: 2px; }
 .obs { background: #e6e6e6; color: #666; } .masked { background: #fff; color: #999; text-decoration: line-through; }
 .pos { background: #c9efc9; } .neg { background: #f6c8c8; } .zero { background: #e3ecf7; }
-.legend span { margin-right: 12px; }
+.legend { font-size: 13px; } .stop, .datum-break { color: #888; font-size: 11px; margin: 0 4px; } .legend span { margin-right: 12px; }
 """
 
 # The glue between the embedded figure JSON and plotly.js: plotly draws every chart.
@@ -475,18 +475,23 @@ def rollout_html(r, open_=False):
 
 
 def token_spans(r, adv, trained):
-    """Every token id of the rollout, coloured by whether the update trained it."""
+    """Every token id of the rollout, coloured by whether the update trained it. The sequence is
+    prompt_tokens + completion_tokens; completion_tokens is each turn's observation_tokens then its
+    action_tokens, and sampler_logprobs has one value per completion token (0.0 on observations)."""
     act_class = "masked" if not trained else ("zero" if not adv else ("pos" if adv > 0 else "neg"))
     logprobs = list(r.get("sampler_logprobs") or [])
     turns = r.get("turns") or [{"observation_tokens": [], "action_tokens": r.get("completion_tokens") or [],
                                  "masked": False}]
-    # turns[0].observation_tokens is the prompt when the writer repeats it there; else prompt_tokens is
-    spans = [] if turns[0].get("observation_tokens") else [tok(t, "obs", "prompt") for t in r.get("prompt_tokens") or []]
-    k = 0  # sampler_logprobs hold one value per action token, turn after turn
+    spans = [tok(t, "obs", "prompt") for t in r.get("prompt_tokens") or []]
+    k = 0  # position in completion_tokens / sampler_logprobs
     for n, turn in enumerate(turns):
-        if n and turn.get("observation_text") is not None:
+        if turn.get("starts_datum"):
+            spans.append("<span class='datum-break' title='a new datum starts here'>|</span>")
+        if turn.get("observation_text") is not None:
             spans.append(f"<pre class='observation'>{esc(turn['observation_text'])}</pre>")
-        spans += [tok(t, "obs", f"turn {n} observation") for t in turn.get("observation_tokens") or []]
+        observation = turn.get("observation_tokens") or []
+        spans += [tok(t, "obs", f"turn {n} observation") for t in observation]
+        k += len(observation)
         actions = turn.get("action_tokens") or []
         masked = turn.get("masked", False)
         flags = masked if isinstance(masked, list) else [bool(masked)] * len(actions)
@@ -494,6 +499,8 @@ def token_spans(r, adv, trained):
             lp = logprobs[k] if k < len(logprobs) else None
             k += 1
             spans.append(tok(t, "masked" if m else act_class, f"turn {n} action", lp))
+        if turn.get("stop_reason"):
+            spans.append(f"<span class='stop'>[{esc(turn['stop_reason'])}]</span>")
     return "".join(spans)
 
 

@@ -86,11 +86,14 @@ def rl_folder(tmp_path, with_trace=True):
                 for sample in range(2):
                     rollouts.append({
                         "iteration": it, "task": 10 + group, "group": group, "sample": sample, "sampler_version": it,
-                        "prompt_tokens": [101, 102, 103], "completion_tokens": [201, 202, 301, 302],
-                        "sampler_logprobs": [-0.5, -0.25, -1.0, -2.0], "reward": float(sample),
+                        "prompt_tokens": [101, 102, 103], "completion_tokens": [201, 202, 250, 301, 302],
+                        "sampler_logprobs": [-0.5, -0.25, 0.0, -1.0, -2.0], "reward": float(sample),
                         "advantage": sample - 0.5, "trained": group == 0,
-                        "turns": [{"observation_tokens": [101, 102, 103], "action_tokens": [201, 202], "masked": False},
-                                  {"observation_tokens": [250], "action_tokens": [301, 302], "masked": [False, True],
+                        "turns": [{"observation_tokens": [], "action_tokens": [201, 202], "masked": group != 0,
+                                   "starts_datum": False, "stop_reason": "stop"},
+                                  # one masked token inside a trained action: the report takes a list too
+                                  {"observation_tokens": [250], "action_tokens": [301, 302],
+                                   "masked": [group != 0, True], "starts_datum": False, "stop_reason": "length",
                                    "observation_text": "tool: 42"}],
                         "prompt_text": "What is 6*7? </script><script>alert(1)</script>", "completion_text": "42"})
         write_rows(run / "rollouts.jsonl", rollouts)
