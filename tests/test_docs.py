@@ -36,7 +36,9 @@ SKILL = ROOT / "SKILL.md"
 REFERENCES = ROOT / "references"
 SCRIPTS = ROOT / "scripts"
 RUN_MARKER = "# runs-against-local-backend"
-SCRIPT_NAMES = ("tinker_sft", "tinker_rl", "tinker_infer", "tinker_pricing", "tinker_local")
+# Every shipped script, whichever exist now (a doc naming a script that is gone fails below).
+SCRIPT_NAMES = tuple(sorted({"tinker_sft", "tinker_rl", "tinker_infer", "tinker_pricing", "tinker_local"}
+                            | {p.stem for p in SCRIPTS.glob("tinker_*.py")}))
 
 
 # --------------------------------------------------------------------------- markdown helpers
@@ -908,6 +910,7 @@ OTHER_TOOLS_FLAGS = {
     "--no-deps", "--ignore-requires-python", "--help", "--format", "--run-id", "--limit",
     "--ttl", "--remove", "--output", "--force", "--repo", "--public", "--type", "--csv",
     "--url-only", "--columns", "--before", "--after",
+    "--pid", "--idle", "--async-mode",  # py-spy and pyinstrument (debugging.md)
 }
 
 
@@ -964,3 +967,102 @@ REQUIRED_REFERENCES = (
 def test_all_eleven_references_exist():
     missing = [name for name in REQUIRED_REFERENCES if not (REFERENCES / name).exists()]
     assert not missing, f"references/ lacks {missing}"
+
+
+# --------------------------------------------------------------------------- model ids
+
+MODEL_ORGS = ("Qwen", "meta-llama", "deepseek-ai", "openai", "moonshotai", "nvidia", "zai-org",
+              "thinkingmachines")
+TINKER_ID = re.compile(r"`((?:" + "|".join(map(re.escape, MODEL_ORGS)) + r")/[\w.-]+(?::peft:\d+)?(?::[\w-]+)?)`")
+NOT_SERVED = re.compile(r"retired|not (?:in the catalogue|served)|deprecat", re.I)
+
+
+def unserved_ids(text: str, where: str) -> list[str]:
+    """Backticked Tinker model ids the catalogue does not hold, on a line that does not say so."""
+    cat = catalogue()
+    _, prose = split_markdown(text)
+    return [f"{where}:{lineno}: {model}" for lineno, line in prose for model in TINKER_ID.findall(line)
+            if model not in cat and not NOT_SERVED.search(line)]
+
+
+def test_unserved_id_check_catches_a_retired_id_without_a_note():
+    text = ("| `Qwen/Qwen3-32B` | 64 | 3e-4 |\n"
+            "| `meta-llama/Llama-3.1-8B` | 128 | retired |\n"
+            "Use `Qwen/Qwen3-8B`.\n")
+    assert unserved_ids(text, "doc") == ["doc:1: Qwen/Qwen3-32B"]
+
+
+def test_every_model_id_the_docs_name_is_served_or_marked_retired():
+    wrong = []
+    for path in doc_files():
+        wrong += unserved_ids(path.read_text(encoding="utf-8"), rel(path))
+    assert not wrong, "name the retirement on the same line, or use a catalogue id:\n" + "\n".join(wrong)
+
+
+# --------------------------------------------------------------------------- claims that came back before
+
+def hybrid_family_tokens() -> set[str]:
+    """Short family names ("Qwen3.8", "Inkling") of catalogue rows typed Hybrid."""
+    return {row["family"].replace(" ", "") for row in catalogue().values()
+            if (row.get("type") or "").startswith("Hybrid")}
+
+
+def test_no_line_calls_a_hybrid_family_always_thinking():
+    tokens = hybrid_family_tokens()
+    assert {"Qwen3.8", "Inkling"} <= tokens, tokens
+    wrong = []
+    for path in doc_files():
+        _, prose = split_markdown(path.read_text(encoding="utf-8"))
+        for lineno, line in prose:
+            if not re.search(r"always[- ]think", line, re.I) or re.search(r"hybrid", line, re.I):
+                continue
+            wrong += [f"{rel(path)}:{lineno}: {tok}" for tok in tokens
+                      if re.search(rf"\b{re.escape(tok)}(?![.\d])", line)]
+    assert not wrong, "the catalogue lists these as hybrid:\n" + "\n".join(wrong)
+
+
+def install_lines() -> list[tuple[str, str]]:
+    found = []
+    for path in [SKILL, REFERENCES / "setup.md"]:
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"pip install\s+'?tinker\b", line):
+                found.append((f"{rel(path)}:{lineno}", line))
+    return found
+
+
+def test_install_lines_name_transformers_and_jinja2():
+    """transformers 5 does not pull jinja2, which apply_chat_template needs."""
+    from importlib.metadata import requires
+
+    assert not any(r.split(";")[0].strip().lower().startswith("jinja2") for r in requires("transformers") or []
+                   if "extra ==" not in r)
+    lines = install_lines()
+    assert len(lines) >= 2, lines
+    wrong = [w for w, line in lines if not ("transformers" in line and "jinja2" in line)]
+    assert not wrong, wrong
+
+
+def test_stop_none_is_described_once_with_both_backends():
+    homes = []
+    for path in doc_files():
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        for m in re.finditer(r"`stop=None`[^.]*\.", text):
+            homes.append((rel(path), m.group(0)))
+    describing = [(p, s) for p, s in homes if re.search(r"EOS|end-of-sequence|never stops|max_tokens", s)]
+    assert {p for p, _ in describing} == {"references/inference.md"}, describing
+    inference = " ".join((REFERENCES / "inference.md").read_text(encoding="utf-8").split())
+    assert "implicit EOS stopping" in inference and "local backend" in inference
+    import tinker.types._pydantic_types.sampling_params as sdk_params
+
+    # The SDK documents the hosted behaviour in the attribute docstring of SamplingParams.stop.
+    assert "``None`` keeps implicit EOS stopping" in inspect.getsource(sdk_params)
+
+
+def test_setup_time_is_stated_once_with_its_measurement():
+    statements = []
+    for path in doc_files():
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"setup|from nothing|first time", line, re.I) and \
+                    re.search(r"\b\d+\s*(?:to|–|-)\s*\d+\s*min|≈\s*\d+\s*min|about \d+ min", line):
+                statements.append(f"{rel(path)}:{lineno}: {line.strip()}")
+    assert not statements, "state the measured setup time once (SKILL.md), not a range:\n" + "\n".join(statements)
