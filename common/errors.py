@@ -59,20 +59,25 @@ def one_line(e: BaseException, limit: int = 300) -> str:
     return text[:limit]
 
 
-def run_cli(main, argv=None) -> int:
-    """Run main(argv) and turn every way it can end into an exit code and at most one stderr line."""
+RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+
+def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
+    """Run main(argv) and turn every way it can end into an exit code and at most one stderr line.
+    error_json: also print {"status": "error"|"interrupted", "exit_code", "error"} on stdout, for a script
+    whose stdout always ends in one JSON object (tinker_infer.py); interrupted_hint: what to do after ^C."""
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return main(argv)
     except ScriptError as e:
-        say(f"error: {e}")
-        return e.exit_code
+        code, status, line = e.exit_code, "error", f"error: {one_line(e, 2000)}"
     except Terminated:
-        say("terminated: the run record is saved; continue with the same command plus --resume")
-        return 143
+        code, status, line = 143, "interrupted", f"terminated: {interrupted_hint}"
     except KeyboardInterrupt:
-        say("interrupted: the run record is saved; continue with the same command plus --resume")
-        return 130
+        code, status, line = 130, "interrupted", f"interrupted: {interrupted_hint}"
     except Exception as e:  # Tinker or runtime failure: one line; the SDK's log has the details
-        say(f"error: {type(e).__name__}: {one_line(e)}")
-        return EXIT_FAILURE
+        code, status, line = EXIT_FAILURE, "error", f"error: {type(e).__name__}: {one_line(e)}"
+    say(line)
+    if error_json:
+        emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
+    return code

@@ -13,6 +13,7 @@ from errors import AccessError, BudgetError, DataError, say  # splice: drop
 
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
+CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
 LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
 
 
@@ -21,56 +22,89 @@ def service_url() -> str:
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
 
 
-def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S) -> None:
+def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, setting: str = "TINKER_BASE_URL") -> None:
     """One TCP connection to the service within timeout_s, or AccessError. The SDK retries an unreachable
     first call for minutes; this turns a dead TINKER_BASE_URL into a one-line exit 4 in seconds. Once the
-    service has answered, the SDK's own retries handle transient failures."""
+    service has answered, the SDK's own retries handle transient failures. setting: the flag or variable
+    that chose url, named in the error."""
+    import urllib.request
+
     url = url or service_url()
     parts = urlsplit(url)
-    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        host, port = None, None
     if not host or parts.scheme not in ("http", "https"):
-        raise AccessError(f"TINKER_BASE_URL {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000; "
-                          "unset it to use hosted Tinker")
-    if os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or os.environ.get("HTTP_PROXY"):
+        raise AccessError(f"{setting} {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000"
+                          + ("; unset it to use hosted Tinker" if setting == "TINKER_BASE_URL" else ""))
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(host):
         return  # through a proxy the TCP check proves nothing; the SDK reports the failure
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:
         reason = e.strerror or type(e).__name__
-        hint = LOCAL_HINT if os.environ.get("TINKER_BASE_URL") else "check the network"
+        if isinstance(e, socket.gaierror):
+            reason = f"host {host} does not resolve"
+        local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
+        hint = LOCAL_HINT if local else "check the network"
         raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
-                          f"{hint}, or fix TINKER_BASE_URL") from None
+                          f"{hint}, or fix {setting}") from None
 
 
-def require_credentials() -> None:
+def require_credentials() -> str:
+    """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    key = os.environ.get("TINKER_API_KEY", "")
+    if key and not key.startswith(("tml-", "eyJ")):
+        raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
+                          "from the Tinker console")
+    if key:
+        return key
     import tinker
 
     if not tinker.auth.tinker_has_credentials():
         raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
                           f"or {LOCAL_HINT}")
+    return tinker.auth.get_tinker_token() or ""
 
 
-def connect(model_name: str, *, trainable: bool = True):
-    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
-    check; AccessError / DataError before any paid call."""
+def rest_client():
+    """RestClient for the current environment. Explicit arguments, because RestClient() with none reuses
+    the first one made in the process, whatever TINKER_BASE_URL says now."""
     import tinker
+
+    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
+                             api_key=os.environ.get("TINKER_API_KEY") or None)
+
+
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
+    check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
+    sampled): no served-model check, context window None."""
+    import difflib
 
     require_credentials()
     check_reachable()
+    import tinker
+
+    if model_name is None:
+        return tinker.ServiceClient(), None
     try:
-        caps = tinker.RestClient().get_server_capabilities().result()
+        caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
     except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
         raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
-    except (tinker.APIConnectionError, tinker.APITimeoutError, OSError) as e:
-        raise AccessError(f"cannot reach {service_url()} ({type(e).__name__}); check the network or "
+    except (tinker.APIConnectionError, tinker.APITimeoutError, TimeoutError, OSError) as e:
+        raise AccessError(f"no answer from {service_url()} ({type(e).__name__}); check the network or "
                           "TINKER_BASE_URL") from None
     models = {m.model_name: m for m in caps.supported_models if m.model_name}
     model = models.get(model_name.split(":", 1)[0]) or models.get(model_name)
     if model is None:
-        shown = ", ".join(sorted(models)[:12])
-        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with --model-name")
+        close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
+        shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
+        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
     if trainable and model.trainable is False:
-        raise DataError(f"{model_name} is not trainable on this Tinker; pick another --model-name")
+        raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
     return tinker.ServiceClient(), model.max_context_length
 
 

@@ -22,14 +22,17 @@ Run:
 
 Routes:
     SDK (default): tinker.ServiceClient -> create_sampling_client -> sample(); the prompt is
-      rendered here, with the model's chat template (--format chat) or as plain text
+      rendered here, with the model's chat template (--format chat; --thinking for hybrid
+      models such as Qwen3, off by default as tinker_sft.py trains) or as plain text
       (--format raw), or exactly as a training run recorded it (--run LOG_DIR: the final
-      sampler path, template kwargs and stop token ids from LOG_DIR/checkpoints.jsonl).
+      sampler path, template kwargs, frozen date and stop token ids from LOG_DIR/checkpoints.jsonl).
     HTTP (--http): Tinker's OpenAI-compatible endpoint, /chat/completions for chat and
       /completions for raw, Bearer $TINKER_API_KEY; base URL from --base-url, else
       $TINKER_BASE_URL + /oai/api/v1, else the hosted service. Retries 429 and 5xx with
       back-off. The server applies the model's own chat template: it cannot apply a run's
       recorded template kwargs, so use the SDK route to sample a run in its exact format.
+    Before the first request: credentials, then one TCP connection to the service (3 s): a dead
+      TINKER_BASE_URL or --base-url is exit 4 in seconds, not minutes of SDK retries.
 
 Checkpoints:
     list [--run ID|LOG_DIR]   newest first: path, type, size, expiry (server listing; the
@@ -48,6 +51,8 @@ Checkpoints:
                               show progress, check Content-Length and any MD5/SHA-256 the
                               server sends, and extract safely (absolute paths, `..` and
                               links leaving DIR are refused before anything is written).
+                              Files land in a hidden folder beside DIR that becomes DIR only
+                              when complete: a failed export leaves no half-written DIR.
     merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
                               model's Hugging Face weights (needs torch + peft, an optional
                               extra; install torch first, then `pip install peft safetensors`).
@@ -66,12 +71,13 @@ Outputs:
       one JSONL row per input row, in input order: {"index", "prompt"|"messages", "samples"}.
     checkpoints list -> {"checkpoints": [...]}; resolve -> {"path", "kind", "source"};
     export -> {"out", "files", "bytes", "route"}; merge -> {"out", "target_modules", ...}.
+    On failure: {"status": "error"|"interrupted", "exit_code", "error"} and one line on stderr.
 
 Requires:
     TINKER_API_KEY (starts with tml-); TINKER_BASE_URL optional (local rehearsals).
     Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (flags, data, wrong
     checkpoint kind, unknown model or checkpoint), 4 no credentials or cannot reach Tinker,
-    130 interrupted.
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
 """
 from __future__ import annotations
 
@@ -79,8 +85,6 @@ import argparse
 import base64
 import concurrent.futures
 import contextlib
-import datetime as dt
-import difflib
 import hashlib
 import json
 import os
@@ -99,74 +103,91 @@ DEFAULT_TEMPERATURE = 1.0  # Tinker's own default; lower it for more determinist
 HOSTED_OAI_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod/oai/api/v1"
 HTTP_TIMEOUT_S = 120.0
 HTTP_RETRIES = 4
-# End-of-turn tokens of the chat families Tinker serves; used as stop ids for --format chat
-# when no run record says otherwise (gpt-oss's <|end|> closes analysis messages, so it is
-# deliberately not here).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|return|>", "<|call|>", "<｜end▁of▁sentence｜>")
-
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_ACCESS, EXIT_INTERRUPTED = 0, 1, 2, 4, 130
-
-
-class Fail(Exception):
-    """A failure with a documented exit code and a one-line message (what, expected, next)."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
+# Checked before anything is read or sent (common/flags.check_numbers): finite and in range.
+SAMPLE_FLAG_RULES = {
+    "n": dict(low=1), "max_tokens": dict(low=1), "temperature": dict(low=0),
+    "top_p": dict(low=0, low_open=True, high=1), "top_k": dict(low=-1),
+    "timeout": dict(low=0, low_open=True), "retries": dict(low=0),
+}
 
 
-def log(*parts) -> None:
-    print(*parts, file=sys.stderr, flush=True)
+def sample_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tinker_infer.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Checkpoint commands: tinker_infer.py checkpoints {list,resolve,export,merge} --help\n\n"
+               + __doc__.split("\n\n", 1)[1].split("Edit:")[0])
+    p.add_argument("--model", help=f"base model name or tinker://RUN/sampler_weights/NAME (default {DEFAULT_MODEL}, "
+                                   f"or the run's final sampler path with --run)")
+    p.add_argument("--run", metavar="LOG_DIR", help="sample a training run's latest sampler checkpoint in its recorded format")
+    p.add_argument("--prompt", help="one prompt (user message in chat format, plain text in raw format)")
+    p.add_argument("--messages", help="one conversation as JSON: [{\"role\": \"user\", \"content\": \"...\"}]")
+    p.add_argument("--input", metavar="FILE.jsonl", help="a batch: one {\"prompt\"} or {\"messages\"} per line; sent concurrently")
+    p.add_argument("--out", metavar="FILE.jsonl", help="write one result row per input row, in input order")
+    p.add_argument("--format", choices=["chat", "raw"], help="chat template of the model, or raw text (default chat; "
+                                                             "with --run, the run's format)")
+    p.add_argument("--thinking", action="store_true", help="render hybrid models (Qwen3, DeepSeek V3.1) with thinking "
+                                                           "on (default off, as tinker_sft.py trains; with --run, the "
+                                                           "run's setting)")
+    p.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="tokenizer to render and decode with (default: the run "
+                                                              "record's, else the base model's)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"default {DEFAULT_MAX_TOKENS}")
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help=f"default {DEFAULT_TEMPERATURE}")
+    p.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
+    p.add_argument("--top-k", type=int, default=-1, help="default -1 (off)")
+    p.add_argument("--stop", action="append", metavar="STRING", help="stop string, repeatable (the format's own "
+                                                                     "end-of-turn token always stops too)")
+    p.add_argument("--seed", type=int, help="sampling seed: same seed, same tokens")
+    p.add_argument("--http", action="store_true", help="use the OpenAI-compatible endpoint instead of the SDK")
+    p.add_argument("--base-url", help="OpenAI-compatible base URL for --http (default $TINKER_BASE_URL/oai/api/v1, "
+                                      "else the hosted service)")
+    p.add_argument("--timeout", type=float, default=HTTP_TIMEOUT_S, help=f"--http request timeout in s (default {HTTP_TIMEOUT_S:g})")
+    p.add_argument("--retries", type=int, default=HTTP_RETRIES, help=f"--http retries on 429/5xx (default {HTTP_RETRIES})")
+    p.add_argument("--json", action="store_true", help="print only the JSON object (stdout), no display on stderr")
+    return p
+
+
+def checkpoints_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tinker_infer.py checkpoints", description="Find, export and merge checkpoints.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="action", required=True)
+    ls = sub.add_parser("list", help="checkpoints, newest first: path, type, size, expiry")
+    ls.add_argument("--run", metavar="RUN_ID|LOG_DIR", help="only this run's checkpoints")
+    ls.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100; 0 = all)")
+    ls.add_argument("--json", action="store_true", help="no table on stderr")
+    rs = sub.add_parser("resolve", help="the latest checkpoint path of a kind, from a run id or a log folder")
+    rs.add_argument("target", metavar="RUN_ID|LOG_DIR|PATH",
+                    help="a run id, a log folder, or a tinker:// path (then the same save of --kind comes first)")
+    rs.add_argument("--kind", choices=["sampler", "state"], default="sampler",
+                    help="sampler: sampler_weights/ (for sampling); state: weights/ (for --resume); default sampler")
+    ex = sub.add_parser("export", help="download a checkpoint's files into a folder",
+                        description="Routes: external_weights/ via signed URLs (SDK 0.38); weights/ via the official "
+                                    "`tinker checkpoint download`; sampler_weights/ via the server's archive route when "
+                                    "it offers one (the local backend does), a tar.gz extracted safely.")
+    ex.add_argument("path", metavar="PATH", help="tinker://RUN/{weights,sampler_weights,external_weights}/NAME")
+    ex.add_argument("--out", required=True, metavar="DIR")
+    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    mg = sub.add_parser("merge", help="merge a PEFT LoRA adapter into Hugging Face base weights (needs torch, peft)")
+    mg.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="folder with adapter_config.json + adapter_model.safetensors")
+    mg.add_argument("--base", required=True, metavar="BASE_DIR", help="the base model's Hugging Face folder")
+    mg.add_argument("--out", required=True, metavar="DIR")
+    mg.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="dtype to merge and save in (default auto: the base model's)")
+    mg.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    return p
 
 
 # ==== EDIT ME: render_prompt() / completion_text() ====
 def render_prompt(row: dict, fmt: dict, tokenizer) -> list[int]:
     """One input row ({"prompt": str} or {"messages": [...]}) -> prompt token ids.
 
-    Chat: the tokenizer's chat template with the generation prompt and the recorded
-    template kwargs. Raw: the text as is, or messages as "User: ...\n\nAssistant:" (as
-    tinker_sft.py trains base models), after BOS when the format (or tokenizer) has one.
+    The shared renderer tinker_sft.py and tinker_rl.py train with (common/render.py): chat is the
+    tokenizer's chat template with the generation prompt, the format's template kwargs and its
+    frozen date; raw is the text as is, or messages as "User: ...\\n\\nAssistant:", after BOS when
+    the format has one.
     """
-    if fmt["kind"] == "raw":
-        bos_id = tokenizer.bos_token_id
-        bos = [bos_id] if bos_id is not None and fmt.get("bos", True) else []
-        return bos + tokenizer.encode(raw_text(row), add_special_tokens=False)
-    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise Fail(EXIT_USAGE, "this tokenizer has no chat template; pass --format raw for a base model, "
-                               "or --tokenizer DIR with a chat_template")
-    text = apply_chat_template(tokenizer, messages, template_kwargs(fmt))
-    # The rendered text already holds BOS and every special token the template wants.
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def apply_chat_template(tokenizer, messages: list[dict], kwargs: dict) -> str:
-    """Render with the generation prompt; a frozen strftime_now replaces the template global.
-
-    transformers 5 turns callables passed as template kwargs into inert strings, so the
-    frozen date is installed in the compiled template's own globals for this one render.
-    """
-    frozen = kwargs.pop("strftime_now", None)
-    if frozen is None:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    from transformers.utils import chat_template_utils
-    compiled = chat_template_utils._compile_jinja_template(tokenizer.get_chat_template())
-    had, previous = "strftime_now" in compiled.globals.maps[0], compiled.globals.maps[0].get("strftime_now")
-    compiled.globals.maps[0]["strftime_now"] = frozen
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    finally:
-        if had:
-            compiled.globals.maps[0]["strftime_now"] = previous
-        else:
-            del compiled.globals.maps[0]["strftime_now"]
-
-
-def raw_text(row: dict) -> str:
-    if "prompt" in row:
-        return row["prompt"]
-    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in row["messages"]]
-    return "\n\n".join(parts + ["Assistant:"])
+    return generation_prompt(row.get("messages") or row["prompt"], tokenizer, fmt)
 
 
 def completion_text(tokens: list[int], tokenizer, stop_ids: list[int], stop_strings: list[str]) -> str:
@@ -179,365 +200,91 @@ def completion_text(tokens: list[int], tokenizer, stop_ids: list[int], stop_stri
     return text[: min(cuts)] if cuts else text
 
 
-# ==== run record and format ====
-def template_kwargs(fmt: dict) -> dict:
-    """The recorded template kwargs, with a frozen `strftime_now` rebuilt as a callable.
-
-    Templates call strftime_now(format) (gpt-oss prints today's date); a run records the
-    frozen date as an ISO string so the prompt never changes with the calendar.
-    """
-    kwargs = dict(fmt.get("template_kwargs") or {})
-    frozen = kwargs.get("strftime_now")
-    if isinstance(frozen, str):
-        try:
-            moment = dt.datetime.fromisoformat(frozen)
-            kwargs["strftime_now"] = lambda f, _m=moment: _m.strftime(f)
-        except ValueError:
-            kwargs["strftime_now"] = lambda f, _s=frozen: _s
-    return kwargs
-
-
-def read_run_record(log_dir: str) -> list[dict]:
-    rows_file = Path(log_dir) / "checkpoints.jsonl"
-    if not rows_file.is_file():
-        raise Fail(EXIT_USAGE, f"{rows_file} not found; expected the log folder of a tinker_sft.py/tinker_rl.py "
-                               f"run; next: ls {log_dir}")
-    rows = []
-    for n, line in enumerate(rows_file.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise Fail(EXIT_USAGE, f"{rows_file}:{n} is not JSON ({e.msg}); fix or remove that line")
-    if not rows:
-        raise Fail(EXIT_USAGE, f"{rows_file} has no checkpoint yet; let the run save one (--save-every) and retry")
-    return rows
-
-
-def latest_row(rows: list[dict], kind: str, where: str) -> dict:
-    key = "sampler_path" if kind == "sampler" else "state_path"
-    for row in reversed(rows):
-        if row.get(key):
-            return row
-    other = "state" if kind == "sampler" else "sampler"
-    raise Fail(EXIT_USAGE, f"{where} records no {key}; it has only {other} checkpoints; next: "
-                           f"tinker_infer.py checkpoints resolve {where} --kind {other}")
-
-
-# ==== tinker:// paths ====
-def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
-    """tinker://RUN/SEGMENT/NAME -> (run, segment, name); None if not a tinker path."""
-    if not path.startswith("tinker://"):
-        return None
-    parts = path[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
-        raise Fail(EXIT_USAGE, f"{path} is not a checkpoint path; expected tinker://RUN_ID/sampler_weights/NAME "
-                               f"(or weights/, external_weights/); next: tinker_infer.py checkpoints list")
-    return parts[0], parts[1], parts[2]
-
-
-def rest_client():
-    """RestClient for the current environment. Passed explicitly because RestClient() with no
-    arguments reuses the first one made in the process, whatever TINKER_BASE_URL says now."""
-    import tinker
-    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
-                             api_key=os.environ.get("TINKER_API_KEY") or None)
-
-
-def run_checkpoints(run_id: str) -> list:
-    """The server's checkpoints of one run, newest first ([] if it cannot list them)."""
+# ==== main flow ====
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        # Only a hint: never wait long for it (the SDK retries a dead server for minutes).
-        listing = rest_client().list_checkpoints(run_id).result(timeout=20)
-    except Exception:
-        return []
-    return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
+        return run_cli(dispatch, argv, error_json=True, interrupted_hint="nothing was written; run the command again")
+    except SystemExit as e:  # argparse: --help is 0, a bad flag is 2 (its usage line is on stderr)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
-def require_sampler_path(path: str) -> None:
-    """A weights/ or external_weights/ path cannot be sampled: say which path can."""
-    parsed = parse_tinker_path(path)
-    if parsed is None or parsed[1] == "sampler_weights":
-        return
-    run, segment, name = parsed
-    samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
-    same_name = f"tinker://{run}/sampler_weights/{name}"
-    if same_name in samplers:
-        hint = f"sample the same run's sampler path: --model {same_name}"
-    elif samplers:
-        hint = f"this run's newest sampler path is {samplers[0]}; pass it as --model"
+def dispatch(argv: list[str]) -> int:
+    if argv and argv[0] == "checkpoints":
+        args = checkpoints_parser().parse_args(argv[1:])
+        args.json = getattr(args, "json", False)
+        command = {"list": cmd_list, "resolve": cmd_resolve, "export": cmd_export, "merge": cmd_merge}[args.action]
+        result = command(args)
     else:
-        hint = ("save one with training_client.save_weights_for_sampler(name) and pass its "
-                "tinker://.../sampler_weights/... path")
-    kind = "resumable training state (save_state)" if segment == "weights" else "an export for download"
-    raise Fail(EXIT_USAGE, f"{path} is {kind}, which cannot be sampled; sampling needs a sampler_weights/ path; {hint}")
+        result = cmd_sample(sample_parser().parse_args(argv))
+    print(json.dumps(result, ensure_ascii=False, default=str))
+    return EXIT_OK
 
 
-# ==== credentials and errors ====
-def require_credentials() -> str:
-    key = os.environ.get("TINKER_API_KEY", "")
-    if key:
-        if not (key.startswith("tml-") or key.startswith("eyJ")):
-            raise Fail(EXIT_NO_ACCESS, "TINKER_API_KEY does not start with tml-; expected a Tinker API key; "
-                                       "next: copy it again from the Tinker console")
-        return key
-    import tinker.auth
-    if tinker.auth.tinker_has_credentials():
-        return tinker.auth.get_tinker_token() or ""
-    raise Fail(EXIT_NO_ACCESS, "no Tinker credentials: TINKER_API_KEY is not set and `tinker auth login` was not run; "
-                               "next: export TINKER_API_KEY=tml-... (or run tinker_local.py for a free rehearsal)")
+def cmd_sample(args) -> dict:
+    """Every check that can refuse the call runs first: flags, inputs, run record, --out, then credentials
+    and reachability; only then the first request."""
+    check_numbers(args, SAMPLE_FLAG_RULES)
+    rows = load_inputs(args)
+    model, recorded, tokenizer_name = resolve_target(args)
+    if args.out:
+        check_writable_dir(Path(args.out).parent, "--out's folder")
+        if Path(args.out).is_dir():
+            raise DataError(f"--out {args.out} is a folder; expected a JSONL file path")
+    if args.http:
+        result = sample_http(args, rows, model, recorded)
+    else:
+        result = sample_sdk(args, rows, model, recorded, tokenizer_name)
+    pricing_model = result.get("base_model") or (model if not model.startswith("tinker://") else None)
+    usd = price_samples(pricing_model, result["samples"]) if pricing_model else None
+    result.update(status="ok", route="http" if args.http else "sdk", usd=usd,
+                  sampling={"n": args.n, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                            "top_p": args.top_p, "top_k": args.top_k, "stop": args.stop or [], "seed": args.seed},
+                  out=None)
+    if args.out:
+        write_results(args.out, rows, result["samples"])
+        result["out"] = str(args.out)
+    if not args.json:
+        show_samples(rows, result, usd)
+    return result
 
 
-def tinker_failure(e: Exception, what: str, model: str | None = None) -> Fail:
-    """Map an SDK exception to an exit code and a message with the next step."""
-    import tinker
-    message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    base = os.environ.get("TINKER_BASE_URL") or "the hosted Tinker service"
-    if isinstance(e, (tinker.AuthenticationError, tinker.PermissionDeniedError)):
-        return Fail(EXIT_NO_ACCESS, f"{what}: Tinker rejected the API key ({message}); next: check TINKER_API_KEY")
-    if isinstance(e, tinker.APIConnectionError):
-        return Fail(EXIT_NO_ACCESS, f"{what}: cannot reach {base} ({message}); next: check the network or TINKER_BASE_URL")
-    lowered = message.lower()
-    if "not loaded" in lowered:
-        return Fail(EXIT_FAILURE, f"{what}: the server no longer has the model behind {model} loaded ({message}); "
-                                  f"next: sample a sampler_weights/ checkpoint of it (tinker_infer.py checkpoints "
-                                  f"list), or restore its last save_state path")
-    if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
-        hint = "tinker_infer.py checkpoints list"
-        parsed = parse_tinker_path(model) if model and model.startswith("tinker://") else None
-        if parsed:
-            hint += f" --run {parsed[0]}"
-        return Fail(EXIT_USAGE, f"{what}: {model or 'the checkpoint'} is unknown or expired ({message}); next: {hint}")
-    if isinstance(e, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
-        return Fail(EXIT_USAGE, f"{what}: the server rejected the request ({message})")
-    if isinstance(e, tinker.RequestFailedError) and str(getattr(e, "category", "")).lower().endswith("user"):
-        return Fail(EXIT_USAGE, f"{what}: the server rejected the request ({message})")
-    return Fail(EXIT_FAILURE, f"{what} failed: {message}")
-
-
-def check_model_served(model: str) -> None:
-    """A base model name must be one the server samples; list close names if not."""
-    import tinker
-    try:
-        caps = rest_client().get_server_capabilities().result(timeout=60)
-    except TimeoutError:
-        base = os.environ.get("TINKER_BASE_URL") or "the hosted Tinker service"
-        raise Fail(EXIT_NO_ACCESS, f"no answer from {base} within 60 s; next: check the network or TINKER_BASE_URL")
-    except Exception as e:  # capabilities are advisory; the sampling call reports real errors
-        if isinstance(e, (tinker.AuthenticationError, tinker.APIConnectionError)):
-            raise tinker_failure(e, "listing the served models")
-        return
-    names = [m.model_name for m in caps.supported_models if m.model_name]
-    if not names or model in names:
-        return
-    close = difflib.get_close_matches(model, names, n=5, cutoff=0.3) or names[:5]
-    raise Fail(EXIT_USAGE, f"{model} is not served here; close names: {', '.join(close)}; next: tinker model list")
-
-
-# ==== inputs ====
-def load_inputs(args) -> list[dict]:
-    given = [x for x in (args.prompt, args.messages, args.input) if x is not None]
-    if len(given) != 1:
-        raise Fail(EXIT_USAGE, "give exactly one of --prompt TEXT, --messages JSON, --input FILE.jsonl")
-    if args.prompt is not None:
-        return [{"prompt": args.prompt}]
-    if args.messages is not None:
-        try:
-            messages = json.loads(args.messages)
-        except json.JSONDecodeError as e:
-            raise Fail(EXIT_USAGE, f"--messages is not JSON ({e.msg}); expected '[{{\"role\": \"user\", \"content\": \"hi\"}}]'")
-        return [{"messages": check_messages(messages, "--messages")}]
-    path = Path(args.input)
-    if not path.is_file():
-        raise Fail(EXIT_USAGE, f"--input {path} not found; expected a JSONL file of {{\"prompt\": ...}} or {{\"messages\": [...]}} rows")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise Fail(EXIT_USAGE, f"{path}:{n} is not JSON ({e.msg}); fix that line")
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            rows.append({"prompt": row["prompt"]})
-        elif isinstance(row, dict) and "messages" in row:
-            rows.append({"messages": check_messages(row["messages"], f"{path}:{n}")})
-        else:
-            raise Fail(EXIT_USAGE, f"{path}:{n} has neither a \"prompt\" string nor \"messages\"; expected one per row")
-    if not rows:
-        raise Fail(EXIT_USAGE, f"{path} has no rows")
-    return rows
-
-
-def check_messages(messages, where: str) -> list[dict]:
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in messages)
-    if not ok:
-        raise Fail(EXIT_USAGE, f"{where}: messages must be a non-empty list of {{\"role\", \"content\"}} objects")
-    return messages
-
-
-def resolve_target(args) -> tuple[str, dict, str | None]:
-    """(model or sampler path, format, tokenizer) from the flags and the run record."""
-    if args.run:
-        row = latest_row(read_run_record(args.run), "sampler", args.run)
-        fmt = dict(row.get("format") or {})
-        if fmt.get("kind") not in ("chat", "raw"):
-            raise Fail(EXIT_USAGE, f"{args.run}/checkpoints.jsonl has no \"format\" with kind chat|raw; "
-                                   f"sample it with --model {row['sampler_path']} --format chat|raw")
-        if args.format and args.format != fmt["kind"]:
-            raise Fail(EXIT_USAGE, f"--format {args.format} contradicts the run, which trained in {fmt['kind']} format; "
-                                   f"drop --format to sample as trained")
-        return args.model or row["sampler_path"], fmt, args.tokenizer or fmt.get("tokenizer")
-    return args.model or DEFAULT_MODEL, {"kind": args.format or "chat"}, args.tokenizer
-
-
-# ==== pricing (optional, from this script's folder) ====
-def estimate_usd(model: str, prompt_tokens: int, completion_tokens: int) -> float | None:
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    try:
-        import tinker_pricing
-    except ImportError:
-        return None
-    try:
-        est = tinker_pricing.estimate_cost(model, prefill=prompt_tokens, cached_prefill=0, sample=completion_tokens)
-    except Exception:  # unknown or unpriced model: no estimate, never a failure
-        return None
-    if isinstance(est, (int, float)):
-        return float(est)
-    if isinstance(est, dict):
-        usd = est.get("usd", est)
-        total = usd.get("total") if isinstance(usd, dict) else usd
-        return float(total) if isinstance(total, (int, float)) else None
-    return None
-
-
-# ==== SDK route ====
-def load_tokenizer(name_or_path: str | None, sampling_client):
-    if name_or_path and name_or_path.startswith((".", "/")) and not Path(name_or_path).is_dir():
-        # A run recorded a folder relative to where it ran; the base model's tokenizer is next best,
-        # and check_template() warns if its template is not the run's.
-        log(f"warning: tokenizer folder {name_or_path} not found from here; using the base model's tokenizer "
-            f"(pass --tokenizer DIR to choose)")
-        name_or_path = None
-    from transformers import AutoTokenizer
-
-    name = name_or_path or sampling_client.get_base_model()
-    next_step = ("next: pass --tokenizer DIR (a folder with tokenizer.json and the chat template), or download "
-                 "it once and run with HF_HUB_OFFLINE=1")
-    if Path(name).is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(name)
-        except Exception as e:
-            raise Fail(EXIT_USAGE, f"cannot load the tokenizer {name} ({first_line(e)}); {next_step}")
-    # The SDK's get_tokenizer() name rules, then the Hugging Face cache with no network, then the hub once
-    # if one short connection to it opens: an offline machine otherwise spends ~50 s in retries.
-    hub_id, kwargs = name.split(":", 1)[0], {}
-    if hub_id.startswith("meta-llama/Llama-3"):
-        hub_id = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # the ungated copy the SDK uses
-    elif hub_id.count("/") == 2:
-        hub_id = hub_id.rsplit("/", 1)[0]
-    if hub_id.startswith("moonshotai/Kimi-K"):
-        kwargs["trust_remote_code"] = True
-    with contextlib.suppress(Exception):
-        return AutoTokenizer.from_pretrained(hub_id, local_files_only=True, **kwargs)
-    failed = f"cannot load the tokenizer {hub_id}: not in the Hugging Face cache and "
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        raise Fail(EXIT_USAGE, failed + f"HF_HUB_OFFLINE=1 forbids the hub; {next_step}")
-    unreachable = hub_unreachable()
-    if unreachable:
-        raise Fail(EXIT_USAGE, failed + f"the hub is unreachable ({unreachable}); {next_step}")
-    try:
-        return AutoTokenizer.from_pretrained(hub_id, **kwargs)
-    except Exception as e:
-        raise Fail(EXIT_USAGE, f"cannot load the tokenizer {hub_id} from the hub ({first_line(e)}); {next_step}")
-
-
-def first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
-def hub_unreachable(timeout_s: float = 5.0) -> str | None:
-    """Why one TCP connection to the hub (HF_ENDPOINT, or the proxy for it) fails, or None if it opens."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    proxy = urllib.request.getproxies().get(url.scheme)
-    if proxy and not urllib.request.proxy_bypass(url.hostname):
-        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
-    except OSError as e:
-        return f"{url.hostname}:{port}: {e.strerror or type(e).__name__}"
-    return None
-
-
-def format_stop_ids(fmt: dict, tokenizer) -> list[int]:
-    if fmt.get("stop"):
-        return [int(t) for t in fmt["stop"] if isinstance(t, int) or str(t).isdigit()]
-    ids = []
-    if fmt["kind"] == "chat":
-        vocab = tokenizer.get_vocab()
-        ids = [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
-    if tokenizer.eos_token_id is not None and (fmt["kind"] == "raw" or not ids):
-        ids.append(tokenizer.eos_token_id)
-    return sorted(set(ids))
-
-
-def check_template(fmt: dict, tokenizer) -> bool | None:
-    recorded = fmt.get("template_sha256")
-    if not recorded or fmt["kind"] != "chat":
-        return None
-    template = tokenizer.chat_template
-    if isinstance(template, dict):  # named templates: the default one renders (as in tinker_sft.py)
-        template = template.get("default") or next(iter(template.values()))
-    same = hashlib.sha256(template.encode()).hexdigest() == recorded
-    if not same:
-        log(f"warning: this tokenizer's chat template (sha256 {hashlib.sha256(template.encode()).hexdigest()[:12]}) is not "
-            f"the one the run trained with ({recorded[:12]}); pass --tokenizer with the run's tokenizer")
-    return same
-
-
-def sample_sdk(args, rows: list[dict], model: str, fmt: dict, tokenizer_name: str | None) -> dict:
-    import tinker
-
-    require_credentials()
-    require_sampler_path(model)
-    is_path = parse_tinker_path(model) is not None
-    if not is_path:
-        check_model_served(model)
-    service = tinker.ServiceClient()
+def sample_sdk(args, rows: list[dict], model: str, recorded: dict | None, tokenizer_name: str | None) -> dict:
+    is_path = model.startswith("tinker://")
+    if is_path:
+        check_sampler_path(model)
+    # A tokenizer named by the flags, the run record or the base model loads before any request.
+    tokenizer = load_sampling_tokenizer(tokenizer_name or (None if is_path else model))
+    service, _ = connect(None if is_path else model, trainable=False, flag="--model")
     status = "errored"
     try:
-        result = sample_with(service, args, rows, model, fmt, tokenizer_name, is_path)
+        try:
+            future = (service.create_sampling_client(model_path=model) if is_path
+                      else service.create_sampling_client(base_model=model))
+            client = future.result()
+        except Exception as e:
+            raise tinker_failure(e, "creating the sampling client", model)
+        base_model = client.get_base_model()
+        if tokenizer is None:  # a bare tinker:// path: its base model names the tokenizer
+            tokenizer_name = base_model
+            tokenizer = load_sampling_tokenizer(base_model)
+        fmt = recorded or resolve_format(args.format or "chat", base_model, tokenizer,
+                                         tokenizer_record(tokenizer_name or base_model), thinking=args.thinking)
+        result = sample_with(client, tokenizer, args, rows, model, fmt)
+        result["base_model"] = base_model
         status = "success"
         return result
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
-        try:  # ends the session at once instead of letting it time out on the server
+        with contextlib.suppress(Exception):  # ends the session at once instead of letting it time out
             service.close(status).result(timeout=30)
-        except Exception:
-            pass
 
 
-def sample_with(service, args, rows, model, fmt, tokenizer_name, is_path) -> dict:
+def sample_with(client, tokenizer, args, rows, model, fmt) -> dict:
     import tinker
 
-    try:
-        future = (service.create_sampling_client(model_path=model) if is_path
-                  else service.create_sampling_client(base_model=model))
-        client = future.result()
-    except Exception as e:
-        raise tinker_failure(e, "creating the sampling client", model)
-    base_model = client.get_base_model()
-    tokenizer = load_tokenizer(tokenizer_name, client)
     template_ok = check_template(fmt, tokenizer)
     stop_ids = format_stop_ids(fmt, tokenizer)
     # One SamplingParams.stop holds either strings or token ids, never both: with --stop,
@@ -564,75 +311,22 @@ def sample_with(service, args, rows, model, fmt, tokenizer_name, is_path) -> dic
                             "text": completion_text(tokens, tokenizer, stop_ids, list(args.stop or [])),
                             "tokens": tokens, "stop_reason": seq.stop_reason,
                             "prompt_tokens": len(prompt), "completion_tokens": len(tokens)})
-    return {"model": model, "base_model": base_model, "format": {**fmt, "stop": stop_ids},
-            "template_matches_run": template_ok, "samples": samples}
+    return {"model": model, "format": {**fmt, "stop": stop_ids}, "template_matches_run": template_ok,
+            "samples": samples}
 
 
-# ==== HTTP route (OpenAI-compatible) ====
-def oai_base_url(args) -> str:
-    if args.base_url:
-        return args.base_url.rstrip("/")
-    if os.environ.get("TINKER_BASE_URL"):
-        return os.environ["TINKER_BASE_URL"].rstrip("/") + "/oai/api/v1"
-    return HOSTED_OAI_BASE_URL
-
-
-def server_message(response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:300] or response.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        return str(err)[:300]
-    return str(body)[:300]
-
-
-def post_with_retries(client, url: str, body: dict, headers: dict, retries: int) -> dict:
-    """POST JSON; retry 429, 5xx and connection errors with back-off (Retry-After honoured)."""
-    import httpx
-    for attempt in range(retries + 1):
-        delay = min(0.5 * 2 ** attempt, 8.0)
-        try:
-            response = client.post(url, json=body, headers=headers)
-        except httpx.TimeoutException as e:
-            if attempt == retries:
-                raise Fail(EXIT_FAILURE, f"POST {url} timed out after {retries + 1} tries ({e}); next: raise --timeout")
-        except httpx.TransportError as e:
-            if attempt == retries:
-                raise Fail(EXIT_NO_ACCESS, f"cannot reach {url} ({e}); next: check --base-url and the network")
-        else:
-            if response.status_code < 400:
-                return response.json()
-            status = response.status_code
-            if status in (401, 403):
-                raise Fail(EXIT_NO_ACCESS, f"{url} refused the API key ({status}: {server_message(response)}); "
-                                           f"next: check TINKER_API_KEY")
-            if status != 429 and status < 500:
-                raise Fail(EXIT_USAGE, f"{url} rejected the request ({status}: {server_message(response)})")
-            if attempt == retries:
-                raise Fail(EXIT_FAILURE, f"{url} kept failing ({status}: {server_message(response)}) "
-                                         f"after {retries + 1} tries; next: retry later")
-            retry_after = response.headers.get("retry-after")
-            if retry_after and retry_after.replace(".", "", 1).isdigit():
-                delay = min(float(retry_after), 30.0)
-            log(f"HTTP {status}; retrying in {delay:.1f}s ({attempt + 1}/{retries})")
-        time.sleep(delay)
-    raise AssertionError("unreachable")
-
-
-def sample_http(args, rows: list[dict], model: str, fmt: dict) -> dict:
+def sample_http(args, rows: list[dict], model: str, recorded: dict | None) -> dict:
     import httpx
 
+    if model.startswith("tinker://"):
+        check_sampler_path(model)
     key = require_credentials()
-    if parse_tinker_path(model) is not None:
-        require_sampler_path(model)
+    fmt = recorded or {"kind": args.format or "chat"}
     base = oai_base_url(args)
+    check_reachable(base, setting="--base-url" if args.base_url else "TINKER_BASE_URL")
     chat = fmt["kind"] == "chat"
     if chat and fmt.get("template_kwargs"):
-        log(f"warning: the endpoint renders with the model's own template; the run's template kwargs "
+        say(f"warning: the endpoint renders with the model's own template; the run's template kwargs "
             f"{sorted(fmt['template_kwargs'])} are not applied (the SDK route applies them)")
     url = base + ("/chat/completions" if chat else "/completions")
     headers = {"Authorization": f"Bearer {key}"}
@@ -643,7 +337,7 @@ def sample_http(args, rows: list[dict], model: str, fmt: dict) -> dict:
         if chat:
             body["messages"] = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         else:
-            body["prompt"] = raw_text(row)
+            body["prompt"] = row["prompt"] if "prompt" in row else _role_colon_text(row["messages"])
         if args.stop:
             body["stop"] = list(args.stop)
         if args.seed is not None:
@@ -671,48 +365,265 @@ def sample_http(args, rows: list[dict], model: str, fmt: dict) -> dict:
     return {"model": model, "base_model": None, "format": fmt, "endpoint": url, "samples": samples}
 
 
-# ==== sampling command ====
-def cmd_sample(args) -> dict:
-    if args.n < 1 or args.max_tokens < 1:
-        raise Fail(EXIT_USAGE, "--n and --max-tokens must be at least 1")
-    if not 0 < args.top_p <= 1 or args.temperature < 0:
-        raise Fail(EXIT_USAGE, "--top-p must be in (0, 1] and --temperature >= 0")
-    rows = load_inputs(args)
-    model, fmt, tokenizer_name = resolve_target(args)
-    if args.http:
-        result = sample_http(args, rows, model, fmt)
+# ==== helpers: inputs, run record, target, tokenizer, format ====
+def load_inputs(args) -> list[dict]:
+    given = [x for x in (args.prompt, args.messages, args.input) if x is not None]
+    if len(given) != 1:
+        raise DataError("give exactly one of --prompt TEXT, --messages JSON, --input FILE.jsonl")
+    if args.prompt is not None:
+        return [{"prompt": args.prompt}]
+    if args.messages is not None:
+        try:
+            messages = json.loads(args.messages)
+        except json.JSONDecodeError as e:
+            raise DataError(f"--messages is not JSON ({e.msg}); expected '[{{\"role\": \"user\", \"content\": \"hi\"}}]'") from None
+        return [{"messages": validate_messages(messages, "--messages", need_assistant=False)}]
+    if not Path(args.input).exists():
+        raise DataError(f"--input {args.input} not found; expected a JSONL file of {{\"prompt\": ...}} or "
+                        "{\"messages\": [...]} rows")
+    rows = []
+    for n, row in read_jsonl(args.input, "--input"):
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            rows.append({"prompt": row["prompt"]})
+        elif isinstance(row, dict) and "messages" in row:
+            rows.append({"messages": validate_messages(row["messages"], f"{args.input}:{n}", need_assistant=False)})
+        else:
+            raise DataError(f"{args.input}:{n} has neither a \"prompt\" string nor \"messages\"; expected one per row")
+    return rows
+
+
+def resolve_target(args) -> tuple[str, dict | None, str | None]:
+    """(model or sampler path, the run's recorded format or None, tokenizer) from the flags and the run."""
+    if not args.run:
+        return args.model or DEFAULT_MODEL, None, args.tokenizer
+    row = latest_row(read_run_record(args.run), "sampler", args.run)
+    fmt = dict(row.get("format") or {})
+    if fmt.get("kind") not in ("chat", "raw"):
+        raise DataError(f"{args.run}/checkpoints.jsonl has no \"format\" with kind chat|raw; "
+                        f"sample it with --model {row['sampler_path']} --format chat|raw")
+    if args.format and args.format != fmt["kind"]:
+        raise DataError(f"--format {args.format} contradicts the run, which trained in {fmt['kind']} format; "
+                        "drop --format to sample as trained")
+    if args.thinking and fmt["kind"] == "chat" and not fmt.get("template_kwargs", {}).get("enable_thinking"):
+        raise DataError("--thinking contradicts the run, which trained with thinking off; drop --thinking to "
+                        "sample as trained")
+    if fmt["kind"] == "chat":  # records older than the shared renderer may lack these keys
+        fmt.setdefault("template_kwargs", {})
+        fmt.setdefault("template_sha256", "")
+    return args.model or row["sampler_path"], fmt, args.tokenizer or fmt.get("tokenizer")
+
+
+def read_run_record(log_dir: str) -> list[dict]:
+    """The rows of LOG_DIR/checkpoints.jsonl (a torn last line from a kill is skipped, as on --resume)."""
+    rows_file = Path(log_dir) / "checkpoints.jsonl"
+    if not rows_file.is_file():
+        raise DataError(f"{rows_file} not found; expected the log folder of a tinker_sft.py/tinker_rl.py run; "
+                        f"next: ls {log_dir}")
+    rows = Run(log_dir).rows("checkpoints.jsonl")
+    if not rows:
+        raise DataError(f"{rows_file} has no checkpoint yet; let the run save one (--save-every) and retry")
+    return rows
+
+
+def latest_row(rows: list[dict], kind: str, where: str) -> dict:
+    key = "sampler_path" if kind == "sampler" else "state_path"
+    for row in reversed(rows):
+        if row.get(key):
+            return row
+    other = "state" if kind == "sampler" else "sampler"
+    raise DataError(f"{where} records no {key}; it has only {other} checkpoints; next: "
+                    f"tinker_infer.py checkpoints resolve {where} --kind {other}")
+
+
+def load_sampling_tokenizer(name_or_path: str | None):
+    """The tokenizer to render and decode with, or None when only the sampling client can name it."""
+    if name_or_path and name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
+        # A run recorded a folder that is not here; the base model's tokenizer is next best, and
+        # check_template() warns if its template is not the run's.
+        say(f"warning: tokenizer folder {name_or_path} not found from here; using the base model's tokenizer "
+            "(pass --tokenizer DIR to choose)")
+        return None
+    return load_tokenizer(name_or_path) if name_or_path else None
+
+
+def format_stop_ids(fmt: dict, tokenizer) -> list[int]:
+    """The format's stop token ids: as recorded, else the end-of-turn token the shared renderer trains."""
+    recorded = [int(t) for t in fmt.get("stop") or [] if isinstance(t, int) or str(t).isdigit()]
+    return sorted(set(recorded)) if recorded else stop_tokens(tokenizer, fmt)
+
+
+def check_template(fmt: dict, tokenizer) -> bool | None:
+    """Whether the tokenizer's chat template is the one the run recorded (None: nothing recorded)."""
+    recorded = fmt.get("template_sha256")
+    if not recorded or fmt["kind"] != "chat":
+        return None
+    actual = chat_format(tokenizer, name=fmt.get("tokenizer") or "?")["template_sha256"]
+    if actual != recorded:
+        say(f"warning: this tokenizer's chat template (sha256 {actual[:12]}) is not the one the run trained with "
+            f"({recorded[:12]}); pass --tokenizer with the run's tokenizer")
+    return actual == recorded
+
+
+# ==== helpers: tinker:// paths and SDK errors ====
+def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
+    """tinker://RUN/SEGMENT/NAME -> (run, segment, name); None if not a tinker path."""
+    if not path.startswith("tinker://"):
+        return None
+    parts = path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
+        raise DataError(f"{path} is not a checkpoint path; expected tinker://RUN_ID/sampler_weights/NAME "
+                        "(or weights/, external_weights/); next: tinker_infer.py checkpoints list")
+    return parts[0], parts[1], parts[2]
+
+
+def run_checkpoints(run_id: str) -> list:
+    """The server's checkpoints of one run, newest first ([] if it cannot list them)."""
+    try:
+        # Only a hint: never wait long for it (the SDK retries a dead server for minutes).
+        require_credentials()
+        check_reachable()
+        listing = rest_client().list_checkpoints(run_id).result(timeout=20)
+    except Exception:
+        return []
+    return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
+
+
+def check_sampler_path(path: str) -> None:
+    """A weights/ or external_weights/ path cannot be sampled: say which path can."""
+    run, segment, name = parse_tinker_path(path)
+    if segment == "sampler_weights":
+        return
+    samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
+    same_name = f"tinker://{run}/sampler_weights/{name}"
+    if same_name in samplers:
+        hint = f"sample the same run's sampler path: --model {same_name}"
+    elif samplers:
+        hint = f"this run's newest sampler path is {samplers[0]}; pass it as --model"
     else:
-        result = sample_sdk(args, rows, model, fmt, tokenizer_name)
-    pricing_model = result.get("base_model") or (model if parse_tinker_path(model) is None else None)
-    usd = None
-    if pricing_model:
-        # The n samples of one prompt share its prefill: it is charged with the first sample.
-        for s in result["samples"]:
-            s["usd"] = estimate_usd(pricing_model, (s["prompt_tokens"] or 0) if s["sample_index"] == 0 else 0,
-                                    s["completion_tokens"] or 0)
-        usd = estimate_usd(pricing_model, sum(s["prompt_tokens"] or 0 for s in result["samples"] if s["sample_index"] == 0),
-                           sum(s["completion_tokens"] or 0 for s in result["samples"]))
-    result.update(status="ok", route="http" if args.http else "sdk", usd=usd,
-                  sampling={"n": args.n, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                            "top_p": args.top_p, "top_k": args.top_k, "stop": args.stop or [], "seed": args.seed},
-                  out=None)
-    if args.out:
-        write_results(args.out, rows, result["samples"])
-        result["out"] = str(args.out)
-    if not args.json:
-        show_samples(rows, result, usd)
-    return result
+        hint = ("save one with training_client.save_weights_for_sampler(name) and pass its "
+                "tinker://.../sampler_weights/... path")
+    kind = "resumable training state (save_state)" if segment == "weights" else "an export for download"
+    raise DataError(f"{path} is {kind}, which cannot be sampled; sampling needs a sampler_weights/ path; {hint}")
+
+
+def tinker_failure(e: Exception, what: str, model: str | None = None) -> ScriptError:
+    """An SDK exception as a one-line error with its exit code and the next step."""
+    import tinker
+
+    message = one_line(e)
+    if isinstance(e, (tinker.AuthenticationError, tinker.PermissionDeniedError)):
+        return AccessError(f"{what}: Tinker rejected the API key ({message}); next: check TINKER_API_KEY")
+    if isinstance(e, tinker.APIConnectionError):
+        return AccessError(f"{what}: cannot reach {service_url()} ({message}); next: check the network or "
+                           "TINKER_BASE_URL")
+    lowered = message.lower()
+    if "not loaded" in lowered:
+        return ScriptError(f"{what}: the server no longer has the model behind {model} loaded ({message}); "
+                           "next: sample a sampler_weights/ checkpoint of it (tinker_infer.py checkpoints list), "
+                           "or restore its last save_state path")
+    if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
+        hint = "tinker_infer.py checkpoints list"
+        if model and model.startswith("tinker://"):
+            hint += f" --run {parse_tinker_path(model)[0]}"
+        return DataError(f"{what}: {model or 'the checkpoint'} is unknown or expired ({message}); next: {hint}")
+    if isinstance(e, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
+        return DataError(f"{what}: the server rejected the request ({message})")
+    if isinstance(e, tinker.RequestFailedError) and str(getattr(e, "category", "")).lower().endswith("user"):
+        return DataError(f"{what}: the server rejected the request ({message})")
+    return ScriptError(f"{what} failed: {message}")
+
+
+# ==== helpers: HTTP route, pricing, output ====
+def oai_base_url(args) -> str:
+    if args.base_url:
+        return args.base_url.rstrip("/")
+    if os.environ.get("TINKER_BASE_URL"):
+        return os.environ["TINKER_BASE_URL"].rstrip("/") + "/oai/api/v1"
+    return HOSTED_OAI_BASE_URL
+
+
+def server_message(response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:300] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:300]
+    return str(body)[:300]
+
+
+def post_with_retries(client, url: str, body: dict, headers: dict, retries: int) -> dict:
+    """POST JSON; retry 429, 5xx and connection errors with back-off (Retry-After honoured)."""
+    import httpx
+
+    for attempt in range(retries + 1):
+        delay = min(0.5 * 2 ** attempt, 8.0)
+        try:
+            response = client.post(url, json=body, headers=headers)
+        except httpx.TimeoutException as e:
+            if attempt == retries:
+                raise ScriptError(f"POST {url} timed out after {retries + 1} tries ({e}); next: raise --timeout") from None
+        except httpx.TransportError as e:
+            if attempt == retries:
+                raise AccessError(f"cannot reach {url} ({e}); next: check --base-url and the network") from None
+        else:
+            if response.status_code < 400:
+                return response.json()
+            status = response.status_code
+            if status in (401, 403):
+                raise AccessError(f"{url} refused the API key ({status}: {server_message(response)}); "
+                                  "next: check TINKER_API_KEY")
+            if status != 429 and status < 500:
+                raise DataError(f"{url} rejected the request ({status}: {server_message(response)})")
+            if attempt == retries:
+                raise ScriptError(f"{url} kept failing ({status}: {server_message(response)}) "
+                                  f"after {retries + 1} tries; next: retry later")
+            retry_after = response.headers.get("retry-after")
+            if retry_after and retry_after.replace(".", "", 1).isdigit():
+                delay = min(float(retry_after), 30.0)
+            say(f"HTTP {status}; retrying in {delay:.1f}s ({attempt + 1}/{retries})")
+        time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def estimate_usd(model: str, prompt_tokens: int, completion_tokens: int) -> float | None:
+    pricing = load_pricing()
+    if pricing is None:
+        return None
+    try:
+        est = pricing.estimate_cost(model, prefill=prompt_tokens, cached_prefill=0, sample=completion_tokens)
+    except Exception:  # unknown or unpriced model: no estimate, never a failure
+        return None
+    usd = est.get("usd", est) if isinstance(est, dict) else est
+    total = usd.get("total") if isinstance(usd, dict) else usd
+    return float(total) if isinstance(total, (int, float)) else None
+
+
+def price_samples(model: str, samples: list[dict]) -> float | None:
+    """Each sample's estimate (the n samples of one prompt share its prefill, charged with the first), and
+    the total."""
+    def prefill(s):
+        return (s["prompt_tokens"] or 0) if s["sample_index"] == 0 else 0
+
+    for s in samples:
+        s["usd"] = estimate_usd(model, prefill(s), s["completion_tokens"] or 0)
+    return estimate_usd(model, sum(prefill(s) for s in samples), sum(s["completion_tokens"] or 0 for s in samples))
 
 
 def write_results(out: str, rows: list[dict], samples: list[dict]) -> None:
+    """One row per input row, in input order; written beside --out and renamed, so never half-written."""
     by_prompt: dict[int, list] = {}
     for s in samples:
-        by_prompt.setdefault(s["prompt_index"], []).append(
-            {k: v for k, v in s.items() if k not in ("prompt_index",)})
+        by_prompt.setdefault(s["prompt_index"], []).append({k: v for k, v in s.items() if k != "prompt_index"})
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
+    partial = Path(f"{out}.partial")
+    with open(partial, "w", encoding="utf-8") as f:
         for i, row in enumerate(rows):
             f.write(json.dumps({"index": i, **row, "samples": by_prompt.get(i, [])}, ensure_ascii=False) + "\n")
+    os.replace(partial, out)
 
 
 def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
@@ -720,38 +631,26 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
         row = rows[s["prompt_index"]]
         prompt = row.get("prompt") or row["messages"][-1]["content"]
         cost = f" | est. ${s['usd']:.6f}" if s.get("usd") is not None else ""
-        log(f"--- prompt {s['prompt_index']} sample {s['sample_index']} | stop: {s['stop_reason']} | "
+        say(f"--- prompt {s['prompt_index']} sample {s['sample_index']} | stop: {s['stop_reason']} | "
             f"tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion{cost}")
-        log(f"> {str(prompt)[:200]}")
-        log(s["text"])
+        say(f"> {str(prompt)[:200]}")
+        say(s["text"])
     cost = f"${usd:.6f}" if usd is not None else "no dollar estimate (tinker_pricing.py not beside this script, or model unpriced)"
-    log(f"=== {len(result['samples'])} samples from {result['model']} ({result['format']['kind']} format) | est. cost {cost}")
+    say(f"=== {len(result['samples'])} samples from {result['model']} ({result['format']['kind']} format) | est. cost {cost}")
 
 
 # ==== checkpoints: list / resolve ====
-def checkpoint_row(c) -> dict:
-    return {"path": c.tinker_path, "type": c.checkpoint_type, "time": c.time.isoformat() if c.time else None,
-            "size_bytes": c.size_bytes, "expires_at": c.expires_at.isoformat() if c.expires_at else None,
-            "public": c.public}
-
-
-def run_id_of(arg: str) -> str:
-    """A run id from a run id, a tinker:// path or a log folder's run record."""
-    if arg.startswith("tinker://"):
-        return parse_tinker_path(arg)[0]
-    if Path(arg).is_dir():
-        row = read_run_record(arg)[-1]
-        return parse_tinker_path(row.get("state_path") or row["sampler_path"])[0]
-    return arg
-
-
 def cmd_list(args) -> dict:
     import tinker
+
+    check_numbers(args, {"limit": dict(low=0)})
+    run = run_id_of(args.run) if args.run else None
     require_credentials()
+    check_reachable()
     rest = rest_client()
     try:
-        if args.run:
-            checkpoints = list(rest.list_checkpoints(run_id_of(args.run)).result().checkpoints)
+        if run:
+            checkpoints = list(rest.list_checkpoints(run).result().checkpoints)
         else:
             try:
                 checkpoints = list(rest.list_user_checkpoints(limit=args.limit).result().checkpoints)
@@ -763,9 +662,7 @@ def cmd_list(args) -> dict:
                     try:
                         checkpoints += rest.list_checkpoints(r.training_run_id).result().checkpoints
                     except tinker.APIStatusError as e:  # one unreadable run must not hide the rest
-                        log(f"warning: skipped run {r.training_run_id}: {str(e).splitlines()[0][:120]}")
-    except Fail:
-        raise
+                        say(f"warning: skipped run {r.training_run_id}: {one_line(e, 120)}")
     except Exception as e:
         raise tinker_failure(e, "listing checkpoints", args.run if args.run and args.run.startswith("tinker://") else None)
     checkpoints.sort(key=lambda c: c.time, reverse=True)
@@ -773,6 +670,7 @@ def cmd_list(args) -> dict:
     if not args.json:
         from rich.console import Console
         from rich.table import Table
+
         table = Table("path", "type", "size", "created", "expires")
         for r in rows:
             size = f"{r['size_bytes'] / 1e6:.1f} MB" if r["size_bytes"] else "-"
@@ -790,8 +688,9 @@ def cmd_resolve(args) -> dict:
         result = {"status": "ok", "path": path, "kind": args.kind, "source": "run record",
                   "step": row.get("step"), "name": row.get("name"), "format": row.get("format")}
     else:
-        require_credentials()
         run = run_id_of(args.target)
+        require_credentials()
+        check_reachable()
         wanted = "sampler" if args.kind == "sampler" else "training"
         try:
             checkpoints = rest_client().list_checkpoints(run).result().checkpoints
@@ -803,18 +702,71 @@ def cmd_resolve(args) -> dict:
             found.sort(key=lambda c: c.tinker_path.rsplit("/", 1)[-1] != name)
         if not found:
             kinds = sorted({c.checkpoint_type for c in checkpoints}) or ["none"]
-            raise Fail(EXIT_USAGE, f"run {run} has no {wanted} checkpoint (it has: {', '.join(kinds)}); "
-                                   f"next: tinker_infer.py checkpoints list --run {run}")
+            raise DataError(f"run {run} has no {wanted} checkpoint (it has: {', '.join(kinds)}); "
+                            f"next: tinker_infer.py checkpoints list --run {run}")
         result = {"status": "ok", "path": found[0].tinker_path, "kind": args.kind, "source": "server",
                   "time": found[0].time.isoformat()}
-    log(result["path"])
+    say(result["path"])
     return result
 
 
+def checkpoint_row(c) -> dict:
+    return {"path": c.tinker_path, "type": c.checkpoint_type, "time": c.time.isoformat() if c.time else None,
+            "size_bytes": c.size_bytes, "expires_at": c.expires_at.isoformat() if c.expires_at else None,
+            "public": c.public}
+
+
+def run_id_of(arg: str) -> str:
+    """A run id from a run id, a tinker:// path or a log folder's run record."""
+    if arg.startswith("tinker://"):
+        return parse_tinker_path(arg)[0]
+    if Path(arg).is_dir():
+        row = read_run_record(arg)[-1]
+        return parse_tinker_path(row.get("state_path") or row["sampler_path"])[0]
+    return arg
+
+
 # ==== checkpoints: export (download + safe extraction) ====
-class UnsafeArchive(Fail):
-    def __init__(self, message: str):
-        super().__init__(EXIT_FAILURE, message)
+def cmd_export(args) -> dict:
+    run, segment, name = parse_tinker_path(args.path) or (None, None, None)
+    if segment is None:
+        raise DataError(f"{args.path} is not a tinker:// checkpoint path; next: tinker_infer.py checkpoints list")
+    out = check_writable_dir(args.out, "--out")
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise DataError(f"{out} exists and is not empty; pass --overwrite or another --out")
+    key = require_credentials()
+    check_reachable()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Everything lands in a hidden folder beside --out first: a failed export leaves no half-written --out.
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        if segment == "external_weights":
+            result = export_external(args.path, staging)
+        elif segment == "weights":
+            result = export_state_with_cli(args.path, staging, out)
+        else:
+            result = export_sampler_archive(args.path, staging, out, key)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except UnsafeArchive as e:
+        raise ScriptError(str(e)) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    say(f"exported {args.path} -> {out} ({len(result['files'])} files, {result['bytes']} bytes, via {result['route']})")
+    return {"status": "ok", "path": args.path, "out": str(out), **result}
+
+
+class UnsafeArchive(Exception):
+    """An archive or file list that would write outside the target folder: nothing is written."""
+
+    exit_code = 1  # a runtime failure (EXIT_FAILURE): the server sent it; the user's input was fine
+
+
+class DownloadError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
 
 
 def safe_extract(archive: str | Path, target: str | Path) -> list[str]:
@@ -868,90 +820,85 @@ def expected_digests(headers) -> dict[str, str]:
 def download(url: str, dest: Path, headers: dict | None = None, label: str = "") -> int:
     """Stream url to dest with a progress bar; verify length and any checksum offered."""
     import httpx
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
     hashes = {"md5": hashlib.md5(), "sha256": hashlib.sha256()}
     size = 0
-    with httpx.stream("GET", url, headers=headers or {}, follow_redirects=True, timeout=HTTP_TIMEOUT_S) as response:
-        if response.status_code >= 400:
-            response.read()
-            raise DownloadError(response.status_code, server_message(response))
-        total = int(response.headers.get("content-length") or 0) or None
-        digests = expected_digests(response.headers)
-        with open(dest, "wb") as f, Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                                             console=_stderr_console(), transient=True) as progress:
-            task = progress.add_task(label or dest.name, total=total)
-            for chunk in response.iter_bytes(1 << 20):
-                f.write(chunk)
-                size += len(chunk)
-                for h in hashes.values():
-                    h.update(chunk)
-                progress.update(task, advance=len(chunk))
+    try:
+        with httpx.stream("GET", url, headers=headers or {}, follow_redirects=True, timeout=HTTP_TIMEOUT_S) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise DownloadError(response.status_code, server_message(response))
+            total = int(response.headers.get("content-length") or 0) or None
+            digests = expected_digests(response.headers)
+            with open(dest, "wb") as f, Progress("{task.description}", BarColumn(), DownloadColumn(),
+                                                 TransferSpeedColumn(), console=Console(stderr=True),
+                                                 transient=True) as progress:
+                task = progress.add_task(label or dest.name, total=total)
+                for chunk in response.iter_bytes(1 << 20):
+                    f.write(chunk)
+                    size += len(chunk)
+                    for h in hashes.values():
+                        h.update(chunk)
+                    progress.update(task, advance=len(chunk))
+    except httpx.TransportError as e:  # DNS failure, refused, reset, timeout: nothing is kept
+        host = httpx.URL(url).host
+        raise AccessError(f"cannot download {label or dest.name} from {host} ({type(e).__name__}: {one_line(e, 120)}); "
+                          "check the network, then run the export again") from None
     if total is not None and size != total:
-        raise Fail(EXIT_FAILURE, f"download of {label or url} stopped at {size} of {total} bytes; next: run the export again")
+        raise ScriptError(f"download of {label or url} stopped at {size} of {total} bytes; next: run the export again")
     for algo, want in digests.items():
         if hashes[algo].hexdigest() != want:
-            raise Fail(EXIT_FAILURE, f"{label or dest.name}: {algo} mismatch (got {hashes[algo].hexdigest()}, server said "
-                                     f"{want}); the download is corrupt; next: run the export again")
+            raise ScriptError(f"{label or dest.name}: {algo} mismatch (got {hashes[algo].hexdigest()}, server said "
+                              f"{want}); the download is corrupt; next: run the export again")
     return size
 
 
-class DownloadError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-
-
-def _stderr_console():
-    from rich.console import Console
-    return Console(stderr=True)
-
-
-def export_sampler_archive(path: str, out: Path, key: str) -> dict:
+def export_sampler_archive(path: str, dest: Path, out: Path, key: str) -> dict:
     run, _, name = parse_tinker_path(path)
-    base = (os.environ.get("TINKER_BASE_URL") or "https://tinker.thinkingmachines.dev/services/tinker-prod").rstrip("/")
-    url = f"{base}/api/v1/training_runs/{run}/checkpoints/{name}/archive"
-    with tempfile.TemporaryDirectory() as tmp:
+    url = f"{service_url()}/api/v1/training_runs/{run}/checkpoints/{name}/archive"
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         archive = Path(tmp) / "checkpoint.tar.gz"
         try:
             size = download(url, archive, headers={"X-API-Key": key}, label=f"{name}.tar.gz")
         except DownloadError as e:
+            if e.status in (401, 403):
+                raise AccessError(f"the server refused the API key for {url} ({e})") from None
             states = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "training"]
             hint = (f"export the run's resumable state instead: tinker_infer.py checkpoints export {states[0]} --out {out}"
                     if states else "save_state() a weights/ checkpoint of the run and export that")
-            if e.status in (401, 403):
-                raise Fail(EXIT_NO_ACCESS, f"the server refused the API key for {url} ({e})")
-            raise Fail(EXIT_USAGE, f"{path} cannot be downloaded here ({e}): SDK 0.38 has no download route for "
-                                   f"sampler_weights/; {hint}")
-        files = safe_extract(archive, out)
+            raise DataError(f"{path} cannot be downloaded here ({e}): SDK 0.38 has no download route for "
+                            f"sampler_weights/; {hint}") from None
+        files = safe_extract(archive, dest)
     return {"route": "archive", "files": files, "bytes": size}
 
 
-def export_external(path: str, out: Path) -> dict:
+def export_external(path: str, dest: Path) -> dict:
     try:
         signed = rest_client().get_external_weights_urls(path).result()
     except Exception as e:
         raise tinker_failure(e, f"signing the download URLs of {path}", path)
     total, files = 0, []
-    out.mkdir(parents=True, exist_ok=True)
-    base = out.resolve()
+    base = dest.resolve()
     for name, url in sorted(signed.urls.items()):
-        dest = (out / name).resolve()
-        if not dest.is_relative_to(base):
-            raise UnsafeArchive(f"refusing {path}: file name {name!r} leaves {out}")
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        target = (dest / name).resolve()
+        if not target.is_relative_to(base):
+            raise UnsafeArchive(f"refusing {path}: file name {name!r} leaves the --out folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            total += download(url, dest, label=name)
+            total += download(url, target, label=name)
         except DownloadError as e:
-            raise Fail(EXIT_FAILURE, f"downloading {name} of {path} failed ({e}); next: run the export again")
+            raise ScriptError(f"downloading {name} of {path} failed ({e}); next: run the export again") from None
         files.append(name)
     return {"route": "external_weights_urls", "files": files, "bytes": total}
 
 
-def export_state_with_cli(path: str, out: Path) -> dict:
+def export_state_with_cli(path: str, dest: Path, out: Path) -> dict:
     """The official CLI already does this right (export -> download -> delete the copy)."""
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         cmd = [sys.executable, "-m", "tinker.cli", "-f", "json", "checkpoint", "download", path, "-o", tmp]
-        log("running: tinker -f json checkpoint download", path)
+        say("running: tinker -f json checkpoint download", path)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
@@ -960,41 +907,19 @@ def export_state_with_cli(path: str, out: Path) -> dict:
             hint = (f"; if this server has no external-weights export (the local backend has none), export "
                     f"the run's sampler checkpoint: tinker_infer.py checkpoints export {samplers[0]} --out {out}"
                     if samplers else "")
-            raise Fail(EXIT_FAILURE, f"`tinker checkpoint download {path}` failed: {last}{hint}")
+            raise ScriptError(f"`tinker checkpoint download {path}` failed: {last}{hint}")
         folders = [p for p in Path(tmp).iterdir() if p.is_dir()]
         if len(folders) != 1:
-            raise Fail(EXIT_FAILURE, f"`tinker checkpoint download` left {len(folders)} folders; expected one")
-        out.mkdir(parents=True, exist_ok=True)
+            raise ScriptError(f"`tinker checkpoint download` left {len(folders)} folders; expected one")
         files = []
         for f in sorted(folders[0].rglob("*")):
             if f.is_file():
                 rel = f.relative_to(folders[0])
-                (out / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(f), out / rel)
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(str(f), dest / rel)
                 files.append(str(rel))
     return {"route": "tinker checkpoint download", "files": files,
-            "bytes": sum((out / f).stat().st_size for f in files)}
-
-
-def cmd_export(args) -> dict:
-    run, segment, name = parse_tinker_path(args.path) or (None, None, None)
-    if segment is None:
-        raise Fail(EXIT_USAGE, f"{args.path} is not a tinker:// checkpoint path; next: tinker_infer.py checkpoints list")
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        if not args.overwrite:
-            raise Fail(EXIT_USAGE, f"{out} exists and is not empty; pass --overwrite or another --out")
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    key = require_credentials()
-    if segment == "external_weights":
-        result = export_external(args.path, out)
-    elif segment == "weights":
-        result = export_state_with_cli(args.path, out)
-    else:
-        result = export_sampler_archive(args.path, out, key)
-    log(f"exported {args.path} -> {out} ({len(result['files'])} files, {result['bytes']} bytes, via {result['route']})")
-    return {"status": "ok", "path": args.path, "out": str(out), **result}
+            "bytes": sum((dest / f).stat().st_size for f in files)}
 
 
 # ==== checkpoints: merge (optional extra: torch + peft) ====
@@ -1025,25 +950,29 @@ def peft_embedding_layout(state: dict, model, torch) -> dict:
 
 
 def cmd_merge(args) -> dict:
+    adapter, base_dir = Path(args.adapter_dir), Path(args.base)
+    config_file = adapter / "adapter_config.json"
+    weights_file = adapter / "adapter_model.safetensors"
+    if not config_file.is_file() or not (weights_file.is_file() or (adapter / "adapter_model.bin").is_file()):
+        raise DataError(f"{adapter} is not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors); "
+                        f"next: tinker_infer.py checkpoints export PATH --out {adapter}")
+    if not (base_dir / "config.json").is_file():
+        raise DataError(f"--base {base_dir} has no config.json; expected the base model's Hugging Face folder")
+    out = check_writable_dir(args.out, "--out")
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise DataError(f"{out} exists and is not empty; pass --overwrite or another --out")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{config_file} is not JSON ({one_line(e, 120)}); export the adapter again") from None
     try:
         import torch
         import peft
         from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
     except ImportError as e:
-        raise Fail(EXIT_FAILURE, f"merge needs torch and peft ({e.name} is missing); next: install torch for your "
-                                 f"machine first (pip install torch), then pip install 'peft>=0.13' safetensors")
-    adapter, base_dir, out = Path(args.adapter_dir), Path(args.base), Path(args.out)
-    config_file = adapter / "adapter_config.json"
-    weights_file = adapter / "adapter_model.safetensors"
-    if not config_file.is_file() or not (weights_file.is_file() or (adapter / "adapter_model.bin").is_file()):
-        raise Fail(EXIT_USAGE, f"{adapter} is not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors); "
-                               f"next: tinker_infer.py checkpoints export PATH --out {adapter}")
-    if not (base_dir / "config.json").is_file():
-        raise Fail(EXIT_USAGE, f"--base {base_dir} has no config.json; expected the base model's Hugging Face folder")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise Fail(EXIT_USAGE, f"{out} exists and is not empty; pass --overwrite or another --out")
-    config = json.loads(config_file.read_text())
+        raise ScriptError(f"merge needs torch and peft ({e.name} is missing); next: install torch for your "
+                          "machine first (pip install torch), then pip install 'peft>=0.13' safetensors") from None
     state = (load_file(str(weights_file)) if weights_file.is_file()
              else torch.load(adapter / "adapter_model.bin", map_location="cpu", weights_only=True))
     targets = adapter_target_modules(state)
@@ -1052,11 +981,11 @@ def cmd_merge(args) -> dict:
     # target_modules, and a pattern such as "all-linear" leaves out lm_head, which Tinker
     # trains by default: with either, PEFT would silently drop tensors.
     if not targets:
-        raise Fail(EXIT_USAGE, f"{weights_file.name} holds no lora_A/lora_B tensors; expected a PEFT LoRA adapter")
+        raise DataError(f"{weights_file.name} holds no lora_A/lora_B tensors; expected a PEFT LoRA adapter")
     if declared != targets:
-        log(f"target modules from the adapter's tensors: {', '.join(targets)} (adapter_config.json says {declared})")
+        say(f"target modules from the adapter's tensors: {', '.join(targets)} (adapter_config.json says {declared})")
     dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    log(f"loading {base_dir} ({args.dtype}) ...")
+    say(f"loading {base_dir} ({args.dtype}) ...")
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype)
     untied = False
     embed_names = {"embed_tokens", "wte", "word_embeddings"}
@@ -1075,120 +1004,1032 @@ def cmd_merge(args) -> dict:
     try:
         peft_model = peft.get_peft_model(model, lora_config)
     except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
-        raise Fail(EXIT_FAILURE, f"the adapter's modules ({', '.join(targets)}) match no module of {base_dir} "
-                                 f"({str(e).splitlines()[0][:150]}); is --base the model this adapter was trained on?")
+        raise ScriptError(f"the adapter's modules ({', '.join(targets)}) match no module of {base_dir} "
+                          f"({one_line(e, 150)}); is --base the model this adapter was trained on?") from None
     state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
     loaded = peft.set_peft_model_state_dict(peft_model, state)
     unexpected = [k for k in getattr(loaded, "unexpected_keys", []) if "lora" in k]
     if unexpected:
-        raise Fail(EXIT_FAILURE, f"{len(unexpected)} adapter tensors match no module of {base_dir} (first: {unexpected[0]}); "
-                                 f"is --base the model this adapter was trained on?")
+        raise ScriptError(f"{len(unexpected)} adapter tensors match no module of {base_dir} (first: {unexpected[0]}); "
+                          "is --base the model this adapter was trained on?")
     missing = [k for k in getattr(loaded, "missing_keys", []) if "lora_" in k]
     if missing:
-        log(f"warning: {len(missing)} LoRA tensors absent from the adapter stay zero (first: {missing[0]})")
+        say(f"warning: {len(missing)} LoRA tensors absent from the adapter stay zero (first: {missing[0]})")
     merged = peft_model.merge_and_unload()
-    if out.exists():
-        shutil.rmtree(out)
-    merged.save_pretrained(str(out), safe_serialization=True)
-    copied = []
-    for f in sorted(base_dir.iterdir()):
-        weights = f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")
-        if f.is_file() and not weights and f.name != "config.json" and not (out / f.name).exists():
-            shutil.copy2(f, out / f.name)
-            copied.append(f.name)
-    log(f"merged {adapter} into {base_dir} -> {out} (r={lora_config.r}, alpha={lora_config.lora_alpha}, "
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:  # saved beside --out and renamed: an interrupted merge leaves no half-written --out
+        merged.save_pretrained(str(staging), safe_serialization=True)
+        copied = []
+        for f in sorted(base_dir.iterdir()):
+            weights = f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")
+            if f.is_file() and not weights and f.name != "config.json" and not (staging / f.name).exists():
+                shutil.copy2(f, staging / f.name)
+                copied.append(f.name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    say(f"merged {adapter} into {base_dir} -> {out} (r={lora_config.r}, alpha={lora_config.lora_alpha}, "
         f"modules: {', '.join(lora_config.target_modules)}{', untied embeddings' if untied else ''})")
     return {"status": "ok", "out": str(out), "target_modules": sorted(lora_config.target_modules),
             "lora_rank": lora_config.r, "lora_alpha": lora_config.lora_alpha, "untied_embeddings": untied,
             "copied_files": copied}
 
 
-# ==== command line ====
-def sample_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tinker_infer.py", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Checkpoint commands: tinker_infer.py checkpoints {list,resolve,export,merge} --help\n\n"
-               + __doc__.split("\n\n", 1)[1].split("Edit:")[0])
-    p.add_argument("--model", help=f"base model name or tinker://RUN/sampler_weights/NAME (default {DEFAULT_MODEL}, "
-                                   f"or the run's final sampler path with --run)")
-    p.add_argument("--run", metavar="LOG_DIR", help="sample a training run's latest sampler checkpoint in its recorded format")
-    p.add_argument("--prompt", help="one prompt (user message in chat format, plain text in raw format)")
-    p.add_argument("--messages", help="one conversation as JSON: [{\"role\": \"user\", \"content\": \"...\"}]")
-    p.add_argument("--input", metavar="FILE.jsonl", help="a batch: one {\"prompt\"} or {\"messages\"} per line; sent concurrently")
-    p.add_argument("--out", metavar="FILE.jsonl", help="write one result row per input row, in input order")
-    p.add_argument("--format", choices=["chat", "raw"], help="chat template of the model, or raw text (default chat; "
-                                                             "with --run, the run's format)")
-    p.add_argument("--tokenizer", metavar="NAME_OR_DIR", help="tokenizer to render and decode with (default: the run "
-                                                              "record's, else the base model's)")
-    p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"default {DEFAULT_MAX_TOKENS}")
-    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help=f"default {DEFAULT_TEMPERATURE}")
-    p.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
-    p.add_argument("--top-k", type=int, default=-1, help="default -1 (off)")
-    p.add_argument("--stop", action="append", metavar="STRING", help="stop string, repeatable (the format's own "
-                                                                     "end-of-turn token always stops too)")
-    p.add_argument("--seed", type=int, help="sampling seed: same seed, same tokens")
-    p.add_argument("--http", action="store_true", help="use the OpenAI-compatible endpoint instead of the SDK")
-    p.add_argument("--base-url", help="OpenAI-compatible base URL for --http (default $TINKER_BASE_URL/oai/api/v1, "
-                                      "else the hosted service)")
-    p.add_argument("--timeout", type=float, default=HTTP_TIMEOUT_S, help=f"--http request timeout in s (default {HTTP_TIMEOUT_S:g})")
-    p.add_argument("--retries", type=int, default=HTTP_RETRIES, help=f"--http retries on 429/5xx (default {HTTP_RETRIES})")
-    p.add_argument("--json", action="store_true", help="print only the JSON object (stdout), no display on stderr")
-    return p
+# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, service) ====
+# Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
+# tests/test_shared_code.py fails when this copy differs from its source.
 
 
-def checkpoints_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tinker_infer.py checkpoints", description="Find, export and merge checkpoints.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="action", required=True)
-    ls = sub.add_parser("list", help="checkpoints, newest first: path, type, size, expiry")
-    ls.add_argument("--run", metavar="RUN_ID|LOG_DIR", help="only this run's checkpoints")
-    ls.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100; 0 = all)")
-    ls.add_argument("--json", action="store_true", help="no table on stderr")
-    rs = sub.add_parser("resolve", help="the latest checkpoint path of a kind, from a run id or a log folder")
-    rs.add_argument("target", metavar="RUN_ID|LOG_DIR|PATH",
-                    help="a run id, a log folder, or a tinker:// path (then the same save of --kind comes first)")
-    rs.add_argument("--kind", choices=["sampler", "state"], default="sampler",
-                    help="sampler: sampler_weights/ (for sampling); state: weights/ (for --resume); default sampler")
-    ex = sub.add_parser("export", help="download a checkpoint's files into a folder",
-                        description="Routes: external_weights/ via signed URLs (SDK 0.38); weights/ via the official "
-                                    "`tinker checkpoint download`; sampler_weights/ via the server's archive route when "
-                                    "it offers one (the local backend does), a tar.gz extracted safely.")
-    ex.add_argument("path", metavar="PATH", help="tinker://RUN/{weights,sampler_weights,external_weights}/NAME")
-    ex.add_argument("--out", required=True, metavar="DIR")
-    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    mg = sub.add_parser("merge", help="merge a PEFT LoRA adapter into Hugging Face base weights (needs torch, peft)")
-    mg.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="folder with adapter_config.json + adapter_model.safetensors")
-    mg.add_argument("--base", required=True, metavar="BASE_DIR", help="the base model's Hugging Face folder")
-    mg.add_argument("--out", required=True, metavar="DIR")
-    mg.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                    help="dtype to merge and save in (default auto: the base model's)")
-    mg.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    return p
+# ---- common/errors.py ----
+# Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import json
+import signal
+import sys
+
+# 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
+# 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+class ScriptError(Exception):
+    """A failure explained in one line: what failed, what was expected, the next command."""
+
+    exit_code = EXIT_FAILURE
+
+
+class DataError(ScriptError):
+    """Bad input or usage: data, flags, paths, unknown model, context overflow."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class RenderError(DataError):
+    """The chat template cannot produce a faithful datum for this example."""
+
+
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
+
+
+class AccessError(ScriptError):
+    """No credentials, credentials refused, or the service cannot be reached."""
+
+    exit_code = EXIT_NO_ACCESS
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the script is so `finally` blocks and the run record close cleanly."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def say(*parts) -> None:
+    """Progress and warnings: stderr, so stdout carries only the final JSON object."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def emit(obj: dict) -> None:
+    """The one JSON object a script prints on stdout."""
+    print(json.dumps(obj), flush=True)
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:limit]
+
+
+RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+
+def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
+    """Run main(argv) and turn every way it can end into an exit code and at most one stderr line.
+    error_json: also print {"status": "error"|"interrupted", "exit_code", "error"} on stdout, for a script
+    whose stdout always ends in one JSON object (tinker_infer.py); interrupted_hint: what to do after ^C."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        if argv and argv[0] == "checkpoints":
-            args = checkpoints_parser().parse_args(argv[1:])
-            args.json = getattr(args, "json", False)
-            result = {"list": cmd_list, "resolve": cmd_resolve, "export": cmd_export, "merge": cmd_merge}[args.action](args)
-        else:
-            result = cmd_sample(sample_parser().parse_args(argv))
-    except Fail as e:
-        log(f"error: {e}")
-        print(json.dumps({"status": "error", "exit_code": e.code, "error": str(e)}))
-        return e.code
+        return main(argv)
+    except ScriptError as e:
+        code, status, line = e.exit_code, "error", f"error: {one_line(e, 2000)}"
+    except Terminated:
+        code, status, line = 143, "interrupted", f"terminated: {interrupted_hint}"
     except KeyboardInterrupt:
-        log("interrupted")
-        print(json.dumps({"status": "interrupted", "exit_code": EXIT_INTERRUPTED}))
-        return EXIT_INTERRUPTED
-    except SystemExit as e:  # argparse: --help is 0, a bad flag is 2
-        return int(e.code or 0)
-    print(json.dumps(result, ensure_ascii=False, default=str))
-    return EXIT_OK
+        code, status, line = 130, "interrupted", f"interrupted: {interrupted_hint}"
+    except Exception as e:  # Tinker or runtime failure: one line; the SDK's log has the details
+        code, status, line = EXIT_FAILURE, "error", f"error: {type(e).__name__}: {one_line(e)}"
+    say(line)
+    if error_json:
+        emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
+    return code
+
+
+# ---- common/flags.py ----
+# Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
+import math
+import os
+from pathlib import Path
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_number(dest: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
+    """DataError unless value is a finite number within [low, high] (open ends where asked); None passes."""
+    if value is None:
+        return
+    name = flag_name(dest)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{name} {value!r}: expected a finite number")
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf' if high is None else high}{')' if high_open else ']'}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        raise DataError(f"{name} {value}: expected a value in {bounds}")
+
+
+def check_numbers(args, rules: dict) -> None:
+    """rules: {dest: dict(low=..., high=..., low_open=..., high_open=...)} checked against args.dest."""
+    for dest, bounds in rules.items():
+        check_number(dest, getattr(args, dest, None), **bounds)
+
+
+def check_readable_file(path, what: str) -> Path:
+    """An existing, readable file, or DataError naming the flag and the file."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{what} {path}: no such file")
+    if p.is_dir():
+        raise DataError(f"{what} {path} is a folder; expected a file")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"{what} {path} is not readable (permissions)")
+    return p
+
+
+def check_writable_dir(path, what: str) -> Path:
+    """A folder that exists and is writable, or can be created under a writable parent."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise DataError(f"{what} {path} is a file; expected a folder (choose another {what})")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DataError(f"{what} {path}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
+    return p
+
+
+# ---- common/data.py ----
+# Reading and validating conversation data (JSONL of {"messages"} or {"prompt", "completion"}).
+import json
+import random
+from pathlib import Path
+
+
+def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
+    """(line number, object) for each non-blank line; bad bytes or bad JSON is a DataError naming the line."""
+    if not path:
+        raise DataError(f"no data: pass {what} FILE.jsonl (or edit the EDIT ME loader)")
+    try:
+        raw = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise DataError(f"{what} {path} is a folder; expected a JSONL file") from None
+    except OSError as e:
+        raise DataError(f"cannot read {what} {path}: {e.strerror}; expected a JSONL file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not rows:
+        raise DataError(f"{path} has no examples; expected one JSON object per line")
+    return rows
+
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def validate_messages(msgs, where: str, *, need_assistant: bool = True) -> list[dict]:
+    """A checked copy of a conversation, or DataError naming the message and what is wrong."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        role = m["role"]
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(f"{where}: message {i} reasoning_content must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
+            raise DataError(f"{where}: message {i} tool_calls must be a list of "
+                            "{'type': 'function', 'function': {'name', 'arguments'}} objects")
+        if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
+            raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
+        clean.append(dict(m))
+    check_role_order(clean, where, need_assistant=need_assistant)
+    return clean
+
+
+def validate_example(obj, line_no) -> dict:
+    """A checked copy of one example ({"messages"} or {"prompt", "completion"}) plus "line"; else DataError."""
+    where = f"line {line_no}"
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'completion', "
+                        f"got {type(obj).__name__}")
+    if "messages" in obj:
+        clean = validate_messages(obj["messages"], where)
+        tools = obj.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: 'tools' must be a list of JSON-schema tool objects")
+        return {"messages": clean, "line": line_no, **({"tools": tools} if tools else {})}
+    if "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise DataError(f"{where}: 'prompt' and 'completion' must both be strings")
+        if not completion.strip():
+            raise DataError(f"{where}: empty completion; nothing to train on")
+        return {"prompt": prompt, "completion": completion, "line": line_no}
+    raise DataError(f"{where}: expected a 'messages' list or 'prompt'/'completion' strings, got keys {sorted(obj)}")
+
+
+def check_role_order(msgs, where, *, need_assistant=True):
+    roles = [m["role"] for m in msgs]
+    if need_assistant and "assistant" not in roles:
+        raise DataError(f"{where}: conversation has no assistant turn; add a {{'role': 'assistant'}} message to train on")
+    prev = None
+    for i, role in enumerate(roles):
+        bad = None
+        if role in ("system", "developer") and any(r not in ("system", "developer") for r in roles[:i]):
+            bad = f"a {role} message may only open the conversation"
+        elif role == "assistant" and prev not in ("user", "tool"):
+            bad = "an assistant message must follow a user (or tool) message"
+        elif role == "tool" and prev not in ("assistant", "tool"):
+            bad = "a tool message must follow an assistant message"
+        elif role == "user" and prev == "user":
+            bad = "two user messages in a row"
+        if bad:
+            raise DataError(f"{where}: roles out of order at message {i} ({' -> '.join(roles)}): {bad}")
+        prev = role
+
+
+def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2:
+            where, obj = item
+        else:
+            where, obj = i + 1, item
+        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+    return out
+
+
+def split_examples(train, test, fraction, seed):
+    """(train, held-out): `test` when given, else a seeded `fraction` of the training examples."""
+    if test is not None or fraction == 0 or len(train) < 2:
+        return train, test or []
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(1, round(fraction * len(train)))])
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+# ---- common/render.py ----
+# Tokenizer loading, the run record's "format", and rendering through the model's own chat template.
+#
+# The masking rule: a datum's weights are 1 exactly on what the model must produce after the generation
+# prompt (the assistant's tokens, end-of-turn token included) and 0 on everything else. Rendering is
+# deterministic: the date a template prints is frozen, so a resumed run renders the same datums.
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+
+
+FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
+FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given
+
+
+def has_reasoning(message):
+    return bool((message.get("reasoning_content") or "").strip()) or "<think>" in message.get("content", "")
+
+
+def tokenizer_record(name_or_path: str) -> str:
+    """An existing folder as an absolute path, so tinker_infer.py --run finds it from any directory;
+    a hub name unchanged."""
+    return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
+
+
+def load_tokenizer(name_or_path: str):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+
+    The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
+    to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    from transformers import AutoTokenizer
+
+    if os.path.isdir(name_or_path):
+        return AutoTokenizer.from_pretrained(name_or_path)
+    if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+                        "tokenizer.json) or a hub name")
+    name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
+    kwargs = {}
+    if name.startswith("meta-llama/Llama-3"):
+        name = "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer"  # ungated copy the SDK uses
+    elif name.count("/") == 2:
+        name = name.rsplit("/", 1)[0]  # org/model/variant -> org/model
+    if name.startswith("moonshotai/Kimi-K"):
+        kwargs["trust_remote_code"] = True
+    with contextlib.suppress(Exception):
+        return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
+    failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
+    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+                 "HF_HUB_OFFLINE=1")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(failed + f"the hub is unreachable ({unreachable})" + next_step)
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except Exception as e:  # gated, misspelt, network lost: all end the same way for the user
+        raise DataError(f"cannot load the tokenizer for {name_or_path!r} from the hub ({type(e).__name__})"
+                        + next_step) from None
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why one TCP connection to the hub (HF_ENDPOINT, or the proxy for it) fails, or None if it opens."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname):
+        url = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e.strerror or type(e).__name__}"
+    return None
+
+
+def chat_format(tokenizer, *, name: str, thinking: bool = False) -> dict:
+    """The run record's "format" for chat-template rendering (see DEVELOPING.md)."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # some tokenizers ship named templates
+        template = template.get("default") or next(iter(template.values()))
+    if not template:
+        raise DataError(f"tokenizer {name!r} has no chat template; use --format raw")
+    fmt = {
+        "kind": "chat",
+        "template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+        "template_kwargs": {
+            "enable_thinking": thinking,  # Qwen3
+            "thinking": thinking,  # DeepSeek V3.1
+            "date_string": FROZEN_DATE_STRING,  # Llama 3.x
+            "strftime_now": FROZEN_DATE,  # gpt-oss prints strftime_now("%Y-%m-%d"); frozen while rendering
+        },
+        "stop": [],
+        "tokenizer": name,
+    }
+    fmt["stop"] = stop_tokens(tokenizer, fmt)
+    return fmt
+
+
+def raw_format(tokenizer, *, name: str) -> dict:
+    """The run record's "format" for plain text + explicit EOS (base models)."""
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"tokenizer {name!r} has no EOS token; raw format needs one to learn to stop")
+    return {
+        "kind": "raw",
+        "stop": [tokenizer.eos_token_id],
+        "bos": tokenizer.bos_token_id is not None,
+        "conversation": "role-colon: 'User: ...\\n\\nAssistant: ...'",
+        "tokenizer": name,
+    }
+
+
+@contextlib.contextmanager
+def _frozen_clock(date_iso):
+    # transformers builds strftime_now() on datetime.now() and rebuilds any callable kwarg into a
+    # string, so the only way to freeze the date a template prints is its module's clock.
+    mod = importlib.import_module("transformers.utils.chat_template_utils")
+    real = getattr(mod, "datetime", None)
+    if real is None or not date_iso:
+        yield
+        return
+
+    class FrozenDatetime(real):
+        @classmethod
+        def now(cls, tz=None):
+            return real.fromisoformat(date_iso)
+
+    mod.datetime = FrozenDatetime
+    try:
+        yield
+    finally:
+        mod.datetime = real
+
+
+def _tool_call_arguments(messages, as_text):
+    """Copies of messages whose tool-call arguments are dicts (the transformers convention, which
+    Qwen3, Qwen3.5, gpt-oss and Kimi templates expect) or JSON text (DeepSeek V3.1 concatenates)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m, tool_calls=[dict(c, function=_arguments(c["function"], as_text)) for c in m["tool_calls"]])
+        out.append(m)
+    return out
+
+
+def _arguments(function, as_text):
+    args = function.get("arguments", {})
+    if as_text and not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    elif not as_text and isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise RenderError(f"tool call {function.get('name')!r} has arguments that are not JSON: {args[:80]!r}") from None
+    return dict(function, arguments=args)
+
+
+def _apply_template(tokenizer, messages, fmt, *, add_generation_prompt, thinking=None, tools=None):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    if thinking is not None:
+        kwargs["enable_thinking"] = kwargs["thinking"] = thinking
+    if tools:
+        kwargs["tools"] = tools
+
+    def render(msgs):
+        with _frozen_clock(frozen):
+            return tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+            )
+
+    try:
+        try:
+            ids = render(_tool_call_arguments(messages, as_text=False))
+        except TypeError:  # a template that concatenates arguments as text (DeepSeek V3.1)
+            ids = render(_tool_call_arguments(messages, as_text=True))
+    except RenderError:
+        raise
+    except Exception as e:  # jinja errors: one line naming the template, never a traceback
+        raise RenderError(
+            f"chat template of {fmt.get('tokenizer')} failed on this conversation: {type(e).__name__}: {e}"
+        ) from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older transformers ignore return_dict=False
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _role_colon_text(messages):
+    """Raw-format rendering of a conversation: the prompt text ending in 'Assistant:'."""
+    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(parts + ["Assistant:"])
+
+
+def _raw_assistant_text(message):
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
+
+
+def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
+    """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
+    assistant header."""
+    if fmt["kind"] == "chat":
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return _apply_template(tokenizer, messages, fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    text = messages if isinstance(messages, str) else _role_colon_text(messages)
+    bos = [tokenizer.bos_token_id] if fmt.get("bos") and tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclasses.dataclass
+class Rendered:
+    """One datum before the shift: token ids and per-token loss weights (same length, unshifted)."""
+
+    tokens: list[int]
+    weights: list[float]
+
+
+def _is_special(tokenizer, tok):
+    return tok in tokenizer.all_special_ids or tok in getattr(tokenizer, "added_tokens_decoder", {})
+
+
+def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
+    """Rendered for assistant message i: weights 1 exactly on what the model must produce after the
+    generation prompt, end-of-turn token included."""
+    thinking = fmt["template_kwargs"].get("enable_thinking", False) or has_reasoning(messages[i])
+    prompt = _apply_template(tokenizer, messages[:i], fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    full = _apply_template(tokenizer, messages[: i + 1], fmt, add_generation_prompt=False, thinking=thinking,
+                           tools=tools)
+    template_id = f"{fmt.get('tokenizer')} (template sha256 {fmt['template_sha256'][:12]})"
+    if full[: len(prompt)] != prompt:
+        raise RenderError(
+            f"chat template of {template_id} renders message {i} so that the generation prompt is not a "
+            "prefix of the conversation; training on it would not match sampling (try --format raw)"
+        )
+    completion = full[len(prompt):]
+    # The template may append whitespace after the end-of-turn token (Qwen3: "<|im_end|>\n"): the
+    # sampler stops at the end-of-turn token and never produces it, so it is not trained.
+    while completion and not _is_special(tokenizer, completion[-1]) and not tokenizer.decode([completion[-1]]).strip():
+        completion.pop()
+    if not completion:
+        raise RenderError(f"chat template of {template_id} renders assistant message {i} as nothing")
+    if not _is_special(tokenizer, completion[-1]):
+        raise RenderError(
+            f"chat template of {template_id} ends assistant message {i} with "
+            f"{tokenizer.decode(completion[-1:])!r}, not an end-of-turn special token; the model would never learn to stop"
+        )
+    reasoning = (messages[i].get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in tokenizer.decode(completion):
+        raise RenderError(
+            f"chat template of {template_id} drops the reasoning_content of assistant message {i} "
+            "(Kimi K2 keeps it only before a tool call; DeepSeek V3.1 never renders it); "
+            "remove reasoning_content to train the answer alone"
+        )
+    return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
+
+
+def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[Rendered]:
+    """The datums of one validated example.
+
+    chat, last-assistant: one datum training the last assistant message.
+    chat, all-assistant: every assistant message is trained; consecutive turns share one datum when
+        the earlier datum's tokens are a prefix of the later one (the template has the extension
+        property). Otherwise each turn is its own datum, rendered in the context the model really
+        sees at that turn (Qwen3 drops earlier turns' <think> blocks, so its turns are separate).
+    Reasoning: a message with reasoning_content (or <think> in its content) renders with thinking on
+        and its reasoning is trained; other messages render with the format's thinking switch.
+    raw: [bos] + prompt + completion + [eos], weights on completion + eos; a conversation becomes
+        role-colon text ('User: ...\\n\\nAssistant:') with the assistant content as completion.
+    """
+    if fmt["kind"] == "chat":
+        messages = example.get("messages") or [
+            {"role": "user", "content": example["prompt"]},
+            {"role": "assistant", "content": example["completion"]},
+        ]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
+        return _merge_extensions(rendered)
+
+    eos = tokenizer.eos_token_id
+    if "messages" in example:
+        messages = example["messages"]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        pairs = [(messages[:i], " " + _raw_assistant_text(messages[i])) for i in turns]
+    else:
+        pairs = [(example["prompt"], example["completion"])]
+    out = []
+    for prompt_part, completion_text in pairs:
+        prompt = generation_prompt(prompt_part, tokenizer, fmt)
+        completion = tokenizer.encode(completion_text, add_special_tokens=False) + [eos]
+        out.append(Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
+    return _merge_extensions(out)
+
+
+def _merge_extensions(rendered):
+    merged = []
+    for r in rendered:
+        last = merged[-1] if merged else None
+        if last is not None and r.tokens[: len(last.tokens)] == last.tokens:
+            merged[-1] = Rendered(r.tokens, last.weights + r.weights[len(last.tokens):])
+        else:
+            merged.append(r)
+    return merged
+
+
+def stop_tokens(tokenizer, fmt) -> list[int]:
+    """Token ids that end a sampled turn: the end-of-turn token the renderer trains (found by rendering
+    a probe conversation), plus Harmony's <|call|> when the end-of-turn is <|return|>; raw: [eos]."""
+    if fmt["kind"] != "chat":
+        return [tokenizer.eos_token_id]
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    end = _render_chat_turn(probe, 1, tokenizer, fmt).tokens[-1]
+    stops = [end]
+    if tokenizer.convert_ids_to_tokens(end) == "<|return|>":
+        call = tokenizer.convert_tokens_to_ids("<|call|>")
+        if isinstance(call, int) and call != tokenizer.unk_token_id:
+            stops.append(call)
+    return stops
+
+
+def to_datum(r: Rendered):
+    """The shift by one: model_input = tokens[:-1], target_tokens = tokens[1:], weights = weights[1:]."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
+    )
+
+
+def weighted_spans(tokenizer, r: Rendered) -> list[str]:
+    """Decoded text of each run of consecutive weighted tokens (what the audit shows a human)."""
+    spans, current = [], []
+    for tok, w in zip(r.tokens, r.weights):
+        if w:
+            current.append(tok)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return [tokenizer.decode(s) for s in spans]
+
+
+def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
+    """--format auto|chat|raw: auto is raw for *-Base models or tokenizers without a template, else chat."""
+    if kind == "auto":
+        base = model_name.split(":", 1)[0].endswith("-Base")
+        kind = "raw" if base or not tokenizer.chat_template else "chat"
+    if kind == "chat":
+        return chat_format(tokenizer, name=tokenizer_name, thinking=thinking)
+    return raw_format(tokenizer, name=tokenizer_name)
+
+
+def render_all(examples, tokenizer, fmt, train_on) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+    out = []
+    for ex in examples:
+        try:
+            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
+        except RenderError as e:
+            raise RenderError(f"line {ex['line']}: {e}") from None
+    return out
+
+
+def apply_length_limit(rendered, limit, mode):
+    """(kept, dropped lines) of [(line, Rendered)]. mode: 'error' | 'drop' | 'truncate'."""
+    if not limit:
+        return rendered, []
+    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
+    if not long:
+        return rendered, []
+    if mode == "error":
+        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
+        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
+        raise DataError(
+            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
+            "or pass --drop-long or --truncate")
+    kept, dropped = [], []
+    for line, r in rendered:
+        if len(r.tokens) <= limit:
+            kept.append((line, r))
+        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
+            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
+        else:  # dropped, or truncation would leave nothing to train
+            dropped.append(line)
+    return kept, dropped
+
+
+# ---- common/run_record.py ----
+# The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
+#
+# Nothing is lost on a crash: rows are appended and fsynced one at a time, config.json is replaced
+# atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
+# changes until every check that can refuse the run (flags, data, budget) has passed.
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Run:
+    """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
+    `rewind` and `checkpoint` are the only writers."""
+
+    def __init__(self, path, extra_files=()):
+        self.path = Path(path)
+        self.files = RUN_FILES + tuple(extra_files)
+
+    def file(self, name) -> Path:
+        return self.path / name
+
+    def rows(self, name) -> list[dict]:
+        """Rows of a JSONL file; a torn line (a kill mid-write) is skipped, a missing file is []."""
+        path = self.file(name)
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def append(self, name, row: dict) -> None:
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        path = self.file(name)
+        with open(path, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(row) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_json(self, name, obj) -> None:
+        """Atomic replace: a kill leaves the old file or the new one, never half of one."""
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def write_rows(self, name, rows) -> None:
+        """Replace a JSONL file atomically (e.g. a dry run's datums.jsonl); creates the folder."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def config(self) -> dict:
+        try:
+            return json.loads(self.file("config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def holds_run(self) -> bool:
+        return any(self.file(n).exists() for n in ("metrics.jsonl", "checkpoints.jsonl"))
+
+    def checkpoints(self) -> list[dict]:
+        return [r for r in self.rows("checkpoints.jsonl") if r.get("state_path")]
+
+    def resume_point(self, *, resume: bool, overwrite: bool, dry_run: bool = False) -> dict | None:
+        """The checkpoint row --resume continues from (None for a new run). Refuses to mix two runs in
+        one folder. Writes nothing."""
+        if resume:
+            rows = self.checkpoints()
+            if not rows:
+                raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
+                                "without --resume (add --overwrite to replace what is there)")
+            return rows[-1]
+        if self.holds_run() and not overwrite and not dry_run:
+            raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
+                            "replace it (or choose another --log-path)")
+        return None
+
+    def check_resume(self, config: dict, keys) -> None:
+        """DataError naming every setting in `keys` (and the format) that differs from the saved run.
+        config.json is never rewritten on resume: the saved settings stay the record of the run."""
+        saved = self.config()
+        if not saved:
+            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
+                            "run cannot be checked (start a new run with --overwrite)")
+        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        saved_fmt = dict(saved.get("format") or {})
+        if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
+            saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
+        if saved_fmt and saved_fmt != config.get("format"):
+            diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        if diffs:
+            raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
+                            "resume with the original flags (or start a new --log-path)")
+
+    def begin(self, config: dict) -> None:
+        """A new run: the folder's old record removed, config.json written. Call after every check."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            self.file(name).unlink(missing_ok=True)
+        self.write_json("config.json", config)
+
+    def rewind(self, name, keep) -> None:
+        """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
+        if not self.file(name).exists():
+            return
+        text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if keep(r))
+        tmp = self.file(name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.file(name))
+
+    def checkpoint(self, *, name, step, position: dict, epoch, state_path, sampler_path, fmt, **extra) -> dict:
+        """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
+        starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
+        row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+        self.append("checkpoints.jsonl", row)
+        return row
+
+
+# ---- common/service.py ----
+# Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
+# and the optional cost preflight through tinker_pricing.py beside the script.
+import importlib
+import os
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
+REACH_TIMEOUT_S = 3.0
+CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
+LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+
+
+def service_url() -> str:
+    """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
+    return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
+
+
+def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, setting: str = "TINKER_BASE_URL") -> None:
+    """One TCP connection to the service within timeout_s, or AccessError. The SDK retries an unreachable
+    first call for minutes; this turns a dead TINKER_BASE_URL into a one-line exit 4 in seconds. Once the
+    service has answered, the SDK's own retries handle transient failures. setting: the flag or variable
+    that chose url, named in the error."""
+    import urllib.request
+
+    url = url or service_url()
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or parts.scheme not in ("http", "https"):
+        raise AccessError(f"{setting} {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000"
+                          + ("; unset it to use hosted Tinker" if setting == "TINKER_BASE_URL" else ""))
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(host):
+        return  # through a proxy the TCP check proves nothing; the SDK reports the failure
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, socket.gaierror):
+            reason = f"host {host} does not resolve"
+        local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
+        hint = LOCAL_HINT if local else "check the network"
+        raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
+                          f"{hint}, or fix {setting}") from None
+
+
+def require_credentials() -> str:
+    """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    key = os.environ.get("TINKER_API_KEY", "")
+    if key and not key.startswith(("tml-", "eyJ")):
+        raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
+                          "from the Tinker console")
+    if key:
+        return key
+    import tinker
+
+    if not tinker.auth.tinker_has_credentials():
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
+                          f"or {LOCAL_HINT}")
+    return tinker.auth.get_tinker_token() or ""
+
+
+def rest_client():
+    """RestClient for the current environment. Explicit arguments, because RestClient() with none reuses
+    the first one made in the process, whatever TINKER_BASE_URL says now."""
+    import tinker
+
+    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
+                             api_key=os.environ.get("TINKER_API_KEY") or None)
+
+
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
+    check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
+    sampled): no served-model check, context window None."""
+    import difflib
+
+    require_credentials()
+    check_reachable()
+    import tinker
+
+    if model_name is None:
+        return tinker.ServiceClient(), None
+    try:
+        caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
+        raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
+    except (tinker.APIConnectionError, tinker.APITimeoutError, TimeoutError, OSError) as e:
+        raise AccessError(f"no answer from {service_url()} ({type(e).__name__}); check the network or "
+                          "TINKER_BASE_URL") from None
+    models = {m.model_name: m for m in caps.supported_models if m.model_name}
+    model = models.get(model_name.split(":", 1)[0]) or models.get(model_name)
+    if model is None:
+        close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
+        shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
+        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+    if trainable and model.trainable is False:
+        raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
+    return tinker.ServiceClient(), model.max_context_length
+
+
+def check_tinker_path(path, need):
+    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
+        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
+    if parts[1] != need:
+        if need == "weights":
+            raise DataError(
+                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
+                "path saved by save_state (state_path in checkpoints.jsonl)")
+        raise DataError(
+            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
+            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
+    return path
+
+
+def load_pricing():
+    """tinker_pricing from beside this script, or None (then no dollar estimate)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module("tinker_pricing")
+    except ImportError:
+        return None
+
+
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
+    pricing = load_pricing()
+    if pricing is None:
+        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
+        say(note)
+        return None
+    try:
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
+    except pricing.BudgetExceeded as e:
+        raise BudgetError(str(e)) from None
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {e}") from None
+        say(f"no dollar estimate: {e}")
+        return None
+
+
+def catalogue_context(model_name):
+    """The model's context window from the price catalogue (for --dry-run), or None."""
+    pricing = load_pricing()
+    try:
+        return pricing.resolve_model(model_name).get("context") if pricing else None
+    except Exception:
+        return None
+# ==== END SHARED CODE (sha256 f0dd45c6b422) ====
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def row(name, step, state, sampler, fmt=CHAT_FORMAT):
     (["--prompt", "a", "--messages", "[]"], "exactly one of --prompt"),
     (["--messages", "{not json"], "--messages is not JSON"),
     (["--messages", '[{"content": "no role"}]'], "role"),
-    (["--prompt", "x", "--n", "0"], "at least 1"),
+    (["--prompt", "x", "--n", "0"], "--n 0: expected a value in [1, inf]"),
     (["--prompt", "x", "--top-p", "0"], "--top-p"),
     (["--prompt", "x", "--model", "tinker://run-1/checkpoints/final"], "not a checkpoint path"),
     (["--input", "does-not-exist.jsonl"], "not found"),
@@ -192,29 +192,19 @@ def test_format_flag_contradicting_the_run_is_refused(tmp_path, capsys, api_key)
     assert code == 2 and "trained in chat format" in result["error"]
 
 
-def test_frozen_strftime_now_is_rebuilt_as_a_callable():
-    kwargs = tinker_infer.template_kwargs({"kind": "chat", "template_kwargs": {
-        "strftime_now": "2026-01-02", "date_string": "26 Jul 2024", "enable_thinking": False}})
-    assert kwargs["strftime_now"]("%Y-%m-%d") == "2026-01-02"
-    assert kwargs["strftime_now"]("%d %b %Y") == "02 Jan 2026"
-    assert (kwargs["date_string"], kwargs["enable_thinking"]) == ("26 Jul 2024", False)
+def test_a_recorded_date_renders_exactly_and_only_for_that_render(chat_family):
+    """The run's frozen strftime_now is the date the prompt prints (not today's), and the template's
+    own clock is back once the render is done (common/render.py freezes it for one render)."""
+    import datetime
 
-
-def test_frozen_date_renders_through_a_jinja_chat_template():
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    raw = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw)
-    tok.chat_template = ("Today: {{ strftime_now('%Y-%m-%d') }}{% for m in messages %}|{{ m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}|assistant:{% endif %}")
-    kwargs = tinker_infer.template_kwargs({"template_kwargs": {"strftime_now": "2024-07-26T00:00:00"}})
-    messages = [{"role": "user", "content": "hi"}]
-    assert tinker_infer.apply_chat_template(tok, messages, kwargs) == "Today: 2024-07-26|hi|assistant:"
-    # The frozen date lasts for that render only: the template's own clock is back afterwards.
-    today = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert today.startswith("Today: 20") and today != "Today: 2024-07-26|hi|assistant:"
+    tokenizer, fmt = chat_family("gpt-oss-20b")
+    fmt = json.loads(json.dumps(fmt))
+    fmt["template_kwargs"]["strftime_now"] = "2026-01-02"
+    text = tokenizer.decode(tinker_infer.render_prompt({"prompt": "hi"}, fmt, tokenizer))
+    assert "Current date: 2026-01-02" in text
+    today = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert f"Current date: {datetime.date.today().isoformat()}" in today
 
 
 # ---- export / merge argument errors ----
@@ -301,15 +291,15 @@ def test_an_unreachable_hub_fails_in_seconds_naming_both_ways_to_run_offline(tmp
     env.update(HF_HOME=str(tmp_path / "empty-hf"), HF_ENDPOINT=f"http://127.0.0.1:{closed}",
                PYTHONPATH=os.path.dirname(tinker_infer.__file__))
     # The base model's name comes from the sampling client; no server is needed to reach the tokenizer.
-    code = ("import types, tinker_infer\n"
-            "client = types.SimpleNamespace(get_base_model=lambda: 'Qwen/Qwen3-8B:peft:131072')\n"
-            "try:\n    tinker_infer.load_tokenizer(None, client)\n"
-            "except tinker_infer.Fail as e:\n    print(e.code, e)\n")
+    # The base model's name (as a sampling client reports it) names the tokenizer; no server is needed.
+    code = ("import tinker_infer\n"
+            "try:\n    tinker_infer.load_sampling_tokenizer('Qwen/Qwen3-8B:peft:131072')\n"
+            "except tinker_infer.DataError as e:\n    print(e.exit_code, e)\n")
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     elapsed = time.monotonic() - started
     assert elapsed < 20, f"took {elapsed:.1f} s"  # the SDK's get_tokenizer() retried for ~50 s
     assert out.stdout.strip() == (
-        "2 cannot load the tokenizer Qwen/Qwen3-8B: not in the Hugging Face cache and the hub is unreachable "
-        f"(127.0.0.1:{closed}: Connection refused); next: pass --tokenizer DIR (a folder with tokenizer.json and "
-        "the chat template), or download it once and run with HF_HUB_OFFLINE=1"), out.stderr
+        "2 cannot load the tokenizer for 'Qwen/Qwen3-8B:peft:131072': Qwen/Qwen3-8B is not in the Hugging Face "
+        f"cache and the hub is unreachable (127.0.0.1:{closed}: Connection refused); pass --tokenizer PATH (a "
+        "folder with tokenizer.json), or download it once and run with HF_HUB_OFFLINE=1"), out.stderr

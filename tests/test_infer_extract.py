@@ -52,7 +52,7 @@ def test_unsafe_archive_is_refused_and_nothing_is_written(sandbox, bad_entry, re
     target = sandbox / "target"
     with pytest.raises(tinker_infer.UnsafeArchive, match=reason) as info:
         tinker_infer.safe_extract(archive, target)
-    assert info.value.code == 1
+    assert info.value.exit_code == 1
     assert not target.exists()
     assert every_file(sandbox / "outside") == []
     assert not (sandbox.parent / "evil.txt").exists()
