@@ -911,6 +911,7 @@ OTHER_TOOLS_FLAGS = {
     "--ttl", "--remove", "--output", "--force", "--repo", "--public", "--type", "--csv",
     "--url-only", "--columns", "--before", "--after",
     "--pid", "--idle", "--async-mode",  # py-spy and pyinstrument (debugging.md)
+    "--enable-lora", "--lora-modules", "--lora-paths",  # vLLM and SGLang (checkpoints.md)
 }
 
 
@@ -1066,3 +1067,79 @@ def test_setup_time_is_stated_once_with_its_measurement():
                     re.search(r"\b\d+\s*(?:to|–|-)\s*\d+\s*min|≈\s*\d+\s*min|about \d+ min", line):
                 statements.append(f"{rel(path)}:{lineno}: {line.strip()}")
     assert not statements, "state the measured setup time once (SKILL.md), not a range:\n" + "\n".join(statements)
+
+
+def test_gsm8k_recipe_reads_as_the_cookbooks_32_groups_of_64():
+    text = " ".join((REFERENCES / "hyperparameters.md").read_text(encoding="utf-8").split())
+    assert "64 × 32" not in text and "64 x 32" not in text
+    assert "GSM8K with 32 groups of 64" in text and "`group_size=64`" in text
+
+
+def test_no_doc_says_tinker_model_list_shows_a_lora_rank():
+    from tinker.cli.commands.model import ModelListOutput
+    from tinker.types import SupportedModel
+
+    assert ModelListOutput([]).get_table_columns() == ["Model", "Max Context", "Trainable", "Sampleable"]
+    assert not [f for f in SupportedModel.model_fields if "rank" in f]
+    wrong = []
+    for path in doc_files():
+        _, prose = split_markdown(path.read_text(encoding="utf-8"))
+        for lineno, line in prose:
+            if "tinker model list" in line and re.search(r"\brank\b", line, re.I) \
+                    and not re.search(r"no (?:LoRA )?rank|no hosted maximum|no maximum LoRA rank|not .*rank", line, re.I):
+                wrong.append(f"{rel(path)}:{lineno}")
+    assert not wrong, wrong
+
+
+DEPRECATED_IN_PROSE = re.compile(r"`[^`]*(?:\b\w+_async\b|\bload_state\w*|ServiceClient\.get_server_capabilities"
+                                 r"|create_rest_client)[^`]*`")
+
+
+def test_deprecated_sdk_forms_appear_in_prose_only_named_as_deprecated():
+    wrong = []
+    for path in doc_files():
+        blocks, prose = split_markdown(path.read_text(encoding="utf-8"))
+        for lineno, line in prose:
+            for span in DEPRECATED_IN_PROSE.findall(line):
+                if re.match(r"`_\w+_async`", span):
+                    continue  # SDK-internal task names in a stack dump, not an API to call
+                if not re.search(r"deprecat", line, re.I):
+                    wrong.append(f"{rel(path)}:{lineno}: {span}")
+    assert not wrong, "name these only as deprecated, with the current form:\n" + "\n".join(wrong)
+
+
+def help_default(script: str, flag: str) -> str:
+    _, text = script_help(script)
+    m = re.search(rf"^  {re.escape(flag)}(?: [A-Z_]+)?(.*?)(?=\n  -|\Z)", text, re.S | re.M)
+    assert m, f"{script} --help has no {flag}"
+    d = re.search(r"\(default: ([^)]*)\)", " ".join(m.group(1).split()))
+    assert d, f"{script} {flag}: no default in --help"
+    return d.group(1)
+
+
+def test_defaults_the_docs_explain_are_the_scripts_defaults():
+    """hyperparameters.md explains each script default that differs from its table: the value
+    it quotes must be what --help prints today."""
+    text = (REFERENCES / "hyperparameters.md").read_text(encoding="utf-8")
+    rows = [cells for _, header, body in markdown_tables(text) if header[:2] == ["script flag", "script default"]
+            for _, cells in body]
+    assert len(rows) >= 4, rows
+    wrong = []
+    for cells in rows:
+        m = re.fullmatch(r"`(tinker_\w+)\.py (--[\w-]+)`", cells[0])
+        assert m, cells[0]
+        actual = help_default(m.group(1), m.group(2))
+        if float(actual) != float(cells[1]):
+            wrong.append(f"{cells[0]}: docs say {cells[1]}, --help says {actual}")
+    assert not wrong, wrong
+
+
+def test_merge_precision_is_stated_per_dtype_and_matches_what_the_tests_merge():
+    text = (REFERENCES / "checkpoints.md").read_text(encoding="utf-8")
+    rows = {cells[0].strip("`"): cells[1] for _, header, body in markdown_tables(text)
+            if header and header[0] == "`--dtype`" for _, cells in body}
+    assert {"float32", "bfloat16"} <= set(rows), rows
+    assert float(rows["bfloat16"]) > 100 * float(rows["float32"])
+    e2e = (ROOT / "tests" / "test_infer_e2e.py").read_text(encoding="utf-8")
+    assert '"--dtype", "float32"' in e2e  # the test's figure is the float32 row's
+    assert "also what `tests/test_infer_e2e.py` merges" in text
