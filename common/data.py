@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from errors import DataError  # splice: drop
@@ -120,3 +121,13 @@ def normalise_items(items, source=None, validate=validate_example) -> list[dict]
             where, obj = i + 1, item
         out.append(validate(obj, where if source is None else f"{where} of {source}"))
     return out
+
+
+def split_examples(train, test, fraction, seed):
+    """(train, held-out): `test` when given, else a seeded `fraction` of the training examples."""
+    if test is not None or fraction == 0 or len(train) < 2:
+        return train, test or []
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(1, round(fraction * len(train)))])
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]

@@ -70,6 +70,18 @@ class Run:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
+    def write_rows(self, name, rows) -> None:
+        """Replace a JSONL file atomically (e.g. a dry run's datums.jsonl); creates the folder."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
     def config(self) -> dict:
         try:
             return json.loads(self.file("config.json").read_text(encoding="utf-8"))

@@ -15,28 +15,35 @@ Run:
     uv run tinker_sft.py --data sft_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
     # train
     uv run tinker_sft.py --data my_data.jsonl --model-name Qwen/Qwen3-8B --log-path runs/sft1 --max-usd 5
+    # free rehearsal on the local backend: the tiny model memorises the built-in set, then checks it
+    python tinker_local.py run -- python tinker_sft.py --rehearse --overwrite
 
 Edit:
     load_dataset(path) -> list of examples, each {"messages": [{"role", "content"}, ...]} or
     {"prompt": str, "completion": str} (a (line, example) pair is also accepted so errors name the
-    line). The default reads JSONL in either shape. Nothing else needs editing for the common case.
+    line). The default reads JSONL in either shape. score(example, completion) -> float in [0, 1]: the
+    task metric --eval-every reports on held-out prompts (default: exact match after stripping).
+    Nothing else needs editing for the common case.
 
 Outputs:
     LOG/config.json       every setting (never the API key) and the "format" used to render
     LOG/metrics.jsonl     one row per step: loss (NLL per trained token), learning_rate, tokens, seconds
+                          (+ eval_nll, eval_score on --eval-every steps)
     LOG/checkpoints.jsonl one row per save: step, next_batch, epoch, state_path, sampler_path, format
-    LOG/eval.jsonl        held-out NLL before/after (and every --eval-every steps), probe samples
+    LOG/eval.jsonl        held-out NLL and scored greedy samples before, every --eval-every steps and
+                          after; probe samples before/after
     LOG/datums.jsonl      (--dry-run) per datum: token ids, weights, decoded text of each weighted span
     stdout                one JSON object: status, log_path, steps, state_path, sampler_path,
-                          eval {nll_before, nll_after, probes}, tokens, format, sampling
+                          eval {nll_before, nll_after, probes}, score, tokens, format, sampling, cost
+                          (+ rehearsal {passed, checks} with --rehearse)
 
 Requires:
     TINKER_API_KEY (not for --dry-run); TINKER_BASE_URL to point at a local rehearsal backend
     (scripts/tinker_local.py). --tokenizer PATH, or HF_HUB_OFFLINE=1 with a warm cache, to run offline.
 
-Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (data, flags, unknown model,
-context overflow, no checkpoint to resume), 3 cost estimate above --max-usd, 4 no credentials or
-Tinker unreachable, 130 interrupted (resume with --resume).
+Exit codes: 0 ok, 1 Tinker or runtime failure (or a --rehearse check failed), 2 bad input or usage
+(data, flags, unknown model, context overflow, no checkpoint to resume), 3 cost estimate above
+--max-usd, 4 no credentials or Tinker unreachable, 130 interrupted / 143 terminated (resume with --resume).
 
 Loss: every datum's weights are 1/(its trained tokens), so the summed loss is the mean over datums of
 each datum's mean NLL (the cookbook default since its issue 271: long answers do not dominate a batch).
@@ -48,32 +55,33 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
-import importlib
-import json
-import math
 import os
-import random
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-SCRIPT_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
-FROZEN_DATE = "2024-07-26"  # Every datum renders the same on every day, so resume is exact.
-FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given.
-ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}  # the cookbook's values; the SDK default eps is 1e-12
-PERIODIC_TTL_SECONDS = 7 * 24 * 3600
+# Settings that must match for --resume to continue the same run exactly.
+RESUME_KEYS = ("model_name", "data", "test_data", "test_fraction", "train_on", "batch_size", "epochs",
+               "max_steps", "seed", "learning_rate", "lr_schedule", "warmup_steps", "lora_rank",
+               "max_length", "drop_long", "truncate", "init_from")
+
+# --rehearse: a run the local backend's tiny model visibly learns in minutes (figures measured on it,
+# see references/training-sft.md). It trains on REHEARSAL_TRAIN (below) unless --data is given.
+REHEARSAL = {"learning_rate": 1e-2, "lr_schedule": "constant", "batch_size": 4, "max_steps": 60,
+             "epochs": 1000, "lora_rank": 32, "num_probes": 4, "max_tokens": 8, "save_every": 0,
+             "log_path": "runs/rehearsal"}
 
 
 def parse_args(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(
         description="Supervised LoRA fine-tuning on Tinker (see the module docstring).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     # data
-    p.add_argument("--data", help="training JSONL: {'messages': [...]} or {'prompt', 'completion'} per line")
+    p.add_argument("--data", help="training JSONL: {'messages': [...]} or {'prompt', 'completion'} per line "
+                                  "(--dry-run and --rehearse without it: the built-in rehearsal set)")
     p.add_argument("--test-data", help="held-out JSONL; default: a --test-fraction split of --data")
     p.add_argument("--test-fraction", type=float, default=0.1, help="held-out share when no --test-data")
     p.add_argument("--train-on", choices=["last-assistant", "all-assistant"], default="last-assistant")
@@ -100,27 +108,41 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, help="stop after this many steps in total")
     p.add_argument("--seed", type=int, default=0, help="data order, test split and LoRA init")
     # evaluation and checkpoints
-    p.add_argument("--eval-every", type=int, default=0, help="held-out NLL every N steps (0: before/after only)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="every N steps: held-out NLL and --eval-samples greedy samples scored by score() "
+                        "(0: NLL before/after only)")
+    p.add_argument("--eval-samples", type=int, default=8, help="held-out prompts sampled and scored per eval")
     p.add_argument("--num-probes", type=int, default=3, help="greedy probe samples before and after")
-    p.add_argument("--max-tokens", type=int, default=64, help="max tokens per probe sample")
+    p.add_argument("--max-tokens", type=int, default=64, help="max tokens per probe or eval sample")
     p.add_argument("--save-every", type=int, default=20, help="save_state every N steps (0: only at the end)")
     p.add_argument("--log-path", default="runs/sft")
     # run control
     p.add_argument("--max-usd", type=float, help="stop before any paid call if the estimate exceeds this")
     p.add_argument("--dry-run", action="store_true", help="render, check and estimate; no Tinker call")
+    p.add_argument("--rehearse", action="store_true",
+                   help="free rehearsal preset for the local backend (REHEARSAL in the script; any flag you "
+                        "pass wins): the built-in set, probes on training prompts, then checks the model learnt")
     p.add_argument("--resume", action="store_true", help="continue from the last row of LOG/checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run record in --log-path")
+    if "--rehearse" in argv:
+        p.set_defaults(**REHEARSAL)  # defaults only: a flag given on the command line still wins
     args = p.parse_args(argv)
     if args.drop_long and args.truncate:
         p.error("choose one of --drop-long and --truncate")
     if args.resume and args.overwrite:
         p.error("choose one of --resume and --overwrite")
-    for name in ("batch_size", "epochs", "lora_rank"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if not 0 <= args.test_fraction < 1:
-        p.error("--test-fraction must be in [0, 1)")
     return args
+
+
+def check_settings(args):
+    """Every numeric flag finite and in range: the same check for --dry-run and the real run, before
+    any file is read or written (a dry run that passes settings the real run cannot use is no audit)."""
+    check_numbers(args, {
+        "learning_rate": dict(low=0, low_open=True), "test_fraction": dict(low=0, high=1, high_open=True),
+        "batch_size": dict(low=1), "epochs": dict(low=1), "max_steps": dict(low=1), "lora_rank": dict(low=1),
+        "warmup_steps": dict(low=0), "eval_every": dict(low=0), "eval_samples": dict(low=0),
+        "num_probes": dict(low=0), "max_tokens": dict(low=1), "save_every": dict(low=0),
+        "max_length": dict(low=2), "max_usd": dict(low=0)})
 
 
 # ==== EDIT ME: load_dataset() ====
@@ -137,44 +159,638 @@ def load_dataset(path):
     return read_jsonl(path)
 
 
+def score(example, completion):
+    """The task metric of one greedy sample on a held-out example: a float in [0, 1], higher is better.
+
+    `example` is a validated example ({"messages": [...]} or {"prompt", "completion"}); `completion` is
+    the sampled text with the stop token removed. Default: 1.0 when it equals the reference answer (the
+    last assistant message, or "completion") after stripping whitespace, else 0.0. Replace it with your
+    task's check (a number parsed from the text, a unit test run, a judge model's grade)."""
+    return float(completion.strip() == reference_answer(example).strip())
+# ==== END EDIT ME ====
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_settings(args)
+    run = Run(args.log_path)  # every read and write of the log folder goes through `run`
+    resume_row = run.resume_point(resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+    if args.init_from:
+        check_tinker_path(args.init_from, "weights")
+    started = time.monotonic()
+
+    # 1. Data: read, validate, split, render and mask. Bad data stops here (exit 2), before any call.
+    job = prepare(args)
+    if args.rehearse:
+        check_masks(job)  # a wrong loss mask fails the rehearsal before anything is trained
+
+    # 2. The context window (from Tinker, or the price catalogue for --dry-run), then the plan and its cost.
+    service, context = (None, catalogue_context(args.model_name)) if args.dry_run else connect(args.model_name)
+    plan(job, args, context)
+    config = settings_record(args, job)
+    if resume_row is not None:
+        run.check_resume(config, RESUME_KEYS)
+    start = min(resume_row["next_batch"], job.total_steps) if resume_row is not None else 0
+    print_plan(job, args)
+    label = "sft" if not start else f"sft, remaining {job.total_steps - start} of {job.total_steps} steps after --resume"
+    cost = estimate(args.model_name, cost_tokens(job, args, start), args.max_usd, label=label)
+
+    # 3. Only now may the log folder change: every check that can refuse the run has passed.
+    if args.dry_run:
+        run.write_rows("datums.jsonl", datum_rows(job))
+        emit({"status": "dry_run", "log_path": str(run.path), **job.summary, "cost": cost, "format": job.fmt})
+        return 0
+    if resume_row is not None:
+        if resume_row.get("name") == "final" and resume_row["next_batch"] >= job.total_steps:
+            emit(result_record("complete", run, job, resume_row))
+            return 0
+        # Rows past the checkpoint were produced by the killed process and will be produced again.
+        next_batch = resume_row["next_batch"]
+        run.rewind("metrics.jsonl", lambda r: r.get("step", 0) <= next_batch)
+        run.rewind("eval.jsonl", lambda r: r.get("step", 0) <= next_batch and r.get("when") != "after")
+    else:
+        run.begin(config)
+
+    # 4. Train, then report.
+    final = train(args, job, run, service, resume_row)
+    with contextlib.suppress(Exception):  # the run is saved; a failed session close changes nothing
+        service.close("success").result()
+    report = result_record("ok", run, job, final)
+    report["cost"] = cost
+    report["seconds"] = round(time.monotonic() - started, 1)
+    if args.rehearse:
+        report["rehearsal"] = rehearsal_checks(report)
+    print_outcome(args, job, report)
+    emit(report)
+    if args.rehearse and not report["rehearsal"]["passed"]:
+        failed = [c["check"] for c in report["rehearsal"]["checks"] if not c["passed"]]
+        raise ScriptError(f"rehearsal check failed: {'; '.join(failed)} (figures above and in {run.path}/eval.jsonl)")
+    return 0
+
+
+def train(args, job, run, service, resume_row):
+    """The training loop: a LoRA training client, held-out eval before, the steps, the final save and
+    the eval after. Returns the final checkpoints.jsonl row."""
+    start = resume_row["next_batch"] if resume_row is not None else 0
+    if resume_row is not None:
+        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
+        say(f"resumed from {resume_row['state_path']} at batch {start}")
+    elif args.init_from:
+        tc = service.create_training_client_from_state(args.init_from).result()
+    else:
+        tc = service.create_lora_training_client(args.model_name, rank=args.lora_rank, seed=args.seed).result()
+
+    if resume_row is None:  # before training; a fresh LoRA is the identity, so the base model samples
+        base = service.create_sampling_client(base_model=args.model_name).result() if samples_wanted(args, job) else None
+        evaluate(args, job, run, "before", 0, held_out_forward(tc, job), base, args.model_name)
+
+    last_time = time.time()
+    pending = submit_step(tc, args, job, start) if start < job.total_steps else None
+    for step in range(start, job.total_steps):
+        # Queue step k+1 before waiting for step k: the server always holds the next forward_backward
+        # + optim_step and never idles on our round trip.
+        upcoming = submit_step(tc, args, job, step + 1) if step + 1 < job.total_steps else None
+        result = pending["fb"].result()
+        pending["opt"].result()
+        done = step + 1
+        masks = [trained_mask(r) for r in pending["batch"]]
+        now = time.time()
+        row = {"step": done, "epoch": step // job.per_epoch, "loss": batch_nll(result, masks),
+               "loss_per_datum": result.metrics.get("loss:sum", float("nan")) / len(pending["batch"]),
+               "learning_rate": pending["lr"], "tokens": sum(len(r.tokens) - 1 for r in pending["batch"]),
+               "trained_tokens": int(sum(sum(m) for m in masks)), "seconds": round(now - last_time, 3)}
+        last_time = now
+        if pending["eval"] is not None:  # queued right after this step: it sees the weights after `done` steps
+            sampler = pending["eval"]["sampler"].result() if pending["eval"]["sampler"] is not None else None
+            ev = evaluate(args, job, run, "during", done, pending["eval"]["forward"], sampler, f"step {done}")
+            row.update(eval_nll=ev["nll"], **({"eval_score": ev["score"]} if "score" in ev else {}))
+        run.append("metrics.jsonl", row)
+        say(f"step {done}/{job.total_steps} | loss {row['loss']:.4f} | lr {row['learning_rate']:.1e} | "
+            f"{row['tokens']} tok | {row['seconds']:.1f}s")
+        if pending["save"] is not None:  # recorded once its path is known, after the step's metrics row
+            run.checkpoint(name=f"{done:06d}", step=done, position={"next_batch": done}, epoch=done // job.per_epoch,
+                           state_path=pending["save"].result().path, sampler_path=None, fmt=job.fmt)
+        pending = upcoming
+
+    state = tc.save_state("final")
+    sampler_save = tc.save_weights_for_sampler("final")
+    final = run.checkpoint(name="final", step=job.total_steps, position={"next_batch": job.total_steps},
+                           epoch=job.total_steps // job.per_epoch, state_path=state.result().path,
+                           sampler_path=sampler_save.result().path, fmt=job.fmt)
+    sampler = service.create_sampling_client(model_path=final["sampler_path"]).result() if samples_wanted(args, job) else None
+    evaluate(args, job, run, "after", job.total_steps, held_out_forward(tc, job), sampler, final["sampler_path"])
+    return final
+
+
+def submit_step(tc, args, job, step):
+    """Queue training step `step` (0-based) and what follows it on the server; nothing here waits.
+    forward_backward and optim_step go back to back; a periodic save and an --eval-every evaluation
+    (held-out forward + a sampler of these weights) are queued right behind them."""
+    import tinker
+
+    batch = [job.train[i] for i in job.order(step)]
+    rate = job.lr * lr_multiplier(step, job.total_steps, args.lr_schedule, args.warmup_steps)
+    fb = tc.forward_backward(training_datums(batch), "cross_entropy")
+    opt = tc.optim_step(tinker.AdamParams(learning_rate=rate, **ADAM))
+    done = step + 1
+    save = evaluation = None
+    if args.save_every and done % args.save_every == 0 and done < job.total_steps:
+        save = tc.save_state(f"{done:06d}", ttl_seconds=PERIODIC_TTL_SECONDS)
+    if args.eval_every and done % args.eval_every == 0 and done < job.total_steps:
+        evaluation = {"forward": held_out_forward(tc, job),
+                      "sampler": tc.save_weights_and_get_sampling_client() if job.eval_prompts else None}
+    return {"step": step, "batch": batch, "lr": rate, "fb": fb, "opt": opt, "save": save, "eval": evaluation}
+
+
 # ---------------------------------------------------------------------------------------------
-# Errors: each carries its exit code; main() prints one line and exits with it.
+# Helpers, in the order main() calls them.
 
 
-class SFTError(Exception):
-    exit_code = 1
+@dataclasses.dataclass
+class Job:
+    """What main() derives from the settings before training: tokenizer, format, data, plan."""
+
+    tokenizer: object
+    fmt: dict
+    train_examples: list
+    test_examples: list
+    train_pairs: list  # [(line, Rendered)]
+    test_pairs: list
+    dropped: list = dataclasses.field(default_factory=list)
+    limit: int | None = None
+    lr: float = 0.0
+    lr_source: str = ""
+    per_epoch: int = 1
+    total_steps: int = 0
+    order: object = None  # BatchOrder: the datum indices of each step
+    train: list = dataclasses.field(default_factory=list)  # Rendered, in train_pairs order
+    test: list = dataclasses.field(default_factory=list)
+    step_tokens: list = dataclasses.field(default_factory=list)
+    probes: list = dataclasses.field(default_factory=list)
+    eval_prompts: list = dataclasses.field(default_factory=list)
+    summary: dict = dataclasses.field(default_factory=dict)
 
 
-class DataError(SFTError):
-    """Bad input or usage: data, flags, unknown model, context overflow."""
+def reference_answer(example):
+    """The answer a held-out example expects: its last assistant message, or its "completion"."""
+    if "messages" in example:
+        return [m for m in example["messages"] if m["role"] == "assistant"][-1]["content"]
+    return example["completion"]
 
-    exit_code = 2
+
+def read_examples(path, what, args):
+    """Validated examples of --data / --test-data through load_dataset(); the built-in set without --data."""
+    if path:
+        return normalise_items(load_dataset(path), None if what == "--data" else path)
+    if args.dry_run or args.rehearse:
+        say("no --data: using the built-in rehearsal set (a memorisable toy; pass --data for your own)")
+        return normalise_items(REHEARSAL_TRAIN, "the built-in set")
+    raise DataError("no training data: pass --data FILE.jsonl (or edit load_dataset()), or --rehearse for "
+                    "the built-in rehearsal set")
+
+
+def prepare(args):
+    train = read_examples(args.data, "--data", args)
+    test = normalise_items(load_dataset(args.test_data), args.test_data) if args.test_data else None
+    if test is None and not args.data:  # the built-in set comes with its own held-out questions
+        test = normalise_items(REHEARSAL_TEST, "the built-in held-out set")
+    train, test = split_examples(train, test, args.test_fraction, args.seed)
+    tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
+    tokenizer = load_tokenizer(tokenizer_name)
+    fmt = resolve_format(args.format, args.model_name, tokenizer, tokenizer_name, args.thinking)
+    return Job(tokenizer=tokenizer, fmt=fmt, train_examples=train, test_examples=test,
+               train_pairs=render_all(train, tokenizer, fmt, args.train_on),
+               test_pairs=render_all(test, tokenizer, fmt, args.train_on))
+
+
+def check_masks(job):
+    """Rehearsal check 1: every training datum trains exactly its answer and the end-of-turn token."""
+    stop = job.tokenizer.decode(job.fmt["stop"][:1])
+    by_line = {ex["line"]: reference_answer(ex) for ex in job.train_examples}
+    for line, r in job.train_pairs:
+        spans = weighted_spans(job.tokenizer, r)
+        trained = spans[0][: -len(stop)] if len(spans) == 1 and spans[0].endswith(stop) else None
+        if trained is None or trained.strip() != by_line[line].strip() or not r.weights[-1]:
+            raise ScriptError(
+                f"rehearsal check failed: the loss mask of line {line} trains {spans!r}, expected only the answer "
+                f"{by_line[line]!r} followed by {stop!r}; the renderer's masking is wrong (see render_example())")
+
+
+def plan(job, args, context):
+    """Length limit, learning rate, steps and batch order, token counts: filled into `job`."""
+    limit = min(x for x in (args.max_length, context) if x) if (args.max_length or context) else None
+    mode = "drop" if args.drop_long else "truncate" if args.truncate else "error"
+    job.train_pairs, dropped = apply_length_limit(job.train_pairs, limit, mode)
+    job.test_pairs, dropped_test = apply_length_limit(job.test_pairs, limit, mode)
+    job.dropped, job.limit = dropped + dropped_test, limit
+    if job.dropped:
+        say(f"dropped {len(job.dropped)} datum(s) over {limit} tokens: lines {', '.join(map(str, job.dropped[:20]))}")
+    if not job.train_pairs:
+        raise DataError("no training datum left after the length limit; raise --max-length or shorten the data")
+    job.train, job.test = [r for _, r in job.train_pairs], [r for _, r in job.test_pairs]
+
+    job.lr, job.lr_source = args.learning_rate, "--learning-rate"
+    if job.lr is None:
+        job.lr, job.lr_source = recommended_learning_rate(args.model_name), "cookbook LoRA formula"
+        if job.lr is None:
+            job.lr, job.lr_source = 1e-4, "fallback (family not calibrated: pass --learning-rate)"
+        say(f"learning rate {job.lr:.3e} ({job.lr_source}, {args.model_name})")
+
+    n = len(job.train)
+    job.per_epoch, job.total_steps = plan_steps(n, args.batch_size, args.epochs, args.max_steps)
+    job.order = BatchOrder(n, args.batch_size, job.per_epoch, args.seed)
+    if n < args.batch_size:
+        say(f"warning: {n} training datums < --batch-size {args.batch_size}; one batch of {n} per epoch")
+    job.step_tokens = [sum(len(job.train[i].tokens) - 1 for i in job.order(s)) for s in range(job.total_steps)]
+    trained = sum(sum(1 for w in job.train[i].weights[1:] if w) for s in range(job.total_steps) for i in job.order(s))
+    # Probes show memorisation in a rehearsal (training prompts) and generalisation otherwise (held-out).
+    probe_source = job.train_examples if args.rehearse else (job.test_examples or job.train_examples)
+    job.probes = probe_prompts(probe_source, job, args.num_probes)
+    job.eval_prompts = probe_prompts(job.test_examples, job, args.eval_samples) if args.eval_every else []
+    longest_line, longest = max(job.train_pairs + job.test_pairs, key=lambda p: len(p[1].tokens))
+    n_evals = 2 + (job.total_steps - 1) // args.eval_every if args.eval_every else 2
+    job.summary = {
+        "examples": {"train": len(job.train_examples), "test": len(job.test_examples), "dropped": len(job.dropped)},
+        "datums": {"train": n, "test": len(job.test)},
+        "steps": job.total_steps, "batch_size": min(args.batch_size, n), "batches_per_epoch": job.per_epoch,
+        "tokens": {"model_input": sum(job.step_tokens), "trained": int(trained),
+                   "eval_forward": n_evals * held_out_tokens(job), "per_epoch": sum(len(r.tokens) - 1 for r in job.train)},
+        "longest": {"line": longest_line, "tokens": len(longest.tokens)},
+        "max_length": limit, "learning_rate": job.lr,
+    }
+
+
+def held_out_tokens(job):
+    return sum(len(r.tokens) - 1 for r in job.test)  # one eval's forward pass
+
+
+def cost_tokens(job, args, start):
+    """Tokens left to pay for from step `start`: a --resume pays only its steps, its evals and no
+    "before" eval or probes."""
+    evals = (start == 0) + 1 + ((job.total_steps - 1) // args.eval_every - start // args.eval_every
+                                if args.eval_every else 0)
+    probe_rounds = 2 if start == 0 else 1
+    prefill = probe_rounds * sum(len(p["tokens"]) for p in job.probes) + evals * sum(len(p["tokens"]) for p in job.eval_prompts)
+    return {"train": sum(job.step_tokens[start:]) + evals * held_out_tokens(job), "prefill": prefill,
+            "sample": (probe_rounds * len(job.probes) + evals * len(job.eval_prompts)) * args.max_tokens}
+
+
+def settings_record(args, job):
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
+    config.update(learning_rate=job.lr, learning_rate_source=job.lr_source, max_length=job.limit, format=job.fmt,
+                  adam=ADAM, loss="cross_entropy; weights 1/(trained tokens) per datum")
+    return config
+
+
+def print_plan(job, args):
+    """The audit as a table on stderr: what will be trained, on what, at which rate."""
+    from rich.console import Console
+    from rich.table import Table
+
+    s, fmt = job.summary, job.fmt
+    table = Table(title="tinker_sft plan", show_header=False, title_justify="left")
+    fmt_text = (f"chat template {fmt['template_sha256'][:12]}, kwargs {fmt['template_kwargs']}"
+                if fmt["kind"] == "chat" else "raw text + EOS")
+    for key, value in [
+        ("model", args.model_name), ("format", f"{fmt_text}, stop {fmt['stop']}"),
+        ("datums", f"{s['datums']['train']} train / {s['datums']['test']} held-out "
+                   f"({s['examples']['dropped']} dropped over the limit)"),
+        ("steps", f"{s['steps']} of {s['batch_size']} datums ({s['batches_per_epoch']} per epoch)"),
+        ("tokens", f"{s['tokens']['model_input']} model-input, {s['tokens']['trained']} trained, "
+                   f"{s['tokens']['eval_forward']} held-out forward"),
+        ("longest", f"{s['longest']['tokens']} tokens (line {s['longest']['line']}), limit {s['max_length'] or 'unknown'}"),
+        ("learning rate", f"{s['learning_rate']:.3e}, {args.lr_schedule}, warmup {args.warmup_steps}"),
+    ]:
+        table.add_row(key, str(value))
+    Console(stderr=True, highlight=False, soft_wrap=True).print(table)
+
+
+def datum_rows(job):
+    for split, pairs in (("train", job.train_pairs), ("test", job.test_pairs)):
+        for line, r in pairs:
+            yield {"split": split, "line": line, "tokens": r.tokens, "weights": r.weights,
+                   "trained_text": weighted_spans(job.tokenizer, r)}
+
+
+def probe_prompts(examples, job, n):
+    """Greedy-sample prompts of the first n examples: the conversation up to its last assistant turn."""
+    probes = []
+    for ex in examples[:n]:
+        if "messages" in ex:
+            msgs = ex["messages"]
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            tokens = generation_prompt(msgs[:last], job.tokenizer, job.fmt, tools=ex.get("tools"))
+            text = msgs[last - 1]["content"]
+        else:
+            tokens, text = generation_prompt(ex["prompt"], job.tokenizer, job.fmt), ex["prompt"]
+        probes.append({"line": ex["line"], "prompt": text, "expected": reference_answer(ex), "tokens": tokens,
+                       "example": ex})
+    return probes
+
+
+def samples_wanted(args, job):
+    return bool(job.probes) or bool(args.eval_every and job.eval_prompts)
+
+
+def held_out_forward(tc, job):
+    """Queue a forward pass over the held-out datums (weights = the loss mask); None if there are none."""
+    if not job.test:
+        return None
+    return tc.forward([to_datum(Rendered(r.tokens, [1.0 if w else 0.0 for w in r.weights])) for r in job.test],
+                      "cross_entropy")
+
+
+def greedy_samples(sampler, prompts, job, max_tokens):
+    """(text without stop tokens, sampled token count) per prompt; all requests in flight at once."""
+    import tinker
+
+    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=job.fmt["stop"])
+    futures = [sampler.sample(tinker.ModelInput.from_ints(p["tokens"]), 1, params) for p in prompts]
+    outs = []
+    for f in futures:
+        seq = f.result().sequences[0]
+        toks = [t for t in seq.tokens if t not in job.fmt["stop"]]
+        outs.append((job.tokenizer.decode(toks, skip_special_tokens=False), len(seq.tokens)))
+    return outs
+
+
+def evaluate(args, job, run, when, step, forward, sampler, sampled_from):
+    """Held-out NLL (from a queued forward), probes (before/after) and score() on --eval-samples held-out
+    prompts (with --eval-every); one row in LOG/eval.jsonl, returned."""
+    nll = batch_nll(forward.result(), [trained_mask(r) for r in job.test]) if forward is not None else None
+    row = {"step": step, "when": when, "nll": nll,
+           "test_tokens": int(sum(sum(trained_mask(r)) for r in job.test))}
+    probes = job.probes if when != "during" else []
+    scored = job.eval_prompts if args.eval_every else []
+    if sampler is not None and (probes or scored):
+        texts = greedy_samples(sampler, probes + scored, job, args.max_tokens)
+        row["sampled_from"] = sampled_from
+        for p, (text, n) in zip(probes, texts):
+            p[when], p[f"{when}_sampled_tokens"], p[f"{when}_score"] = text, n, score(p["example"], text)
+        if probes:
+            row["probes"] = [{k: v for k, v in p.items() if k not in ("tokens", "example")} for p in probes]
+        if scored:
+            marks = [float(score(p["example"], text)) for p, (text, _) in zip(scored, texts[len(probes):])]
+            row["score"], row["scored"] = sum(marks) / len(marks), len(marks)
+            row["samples"] = [{"line": p["line"], "completion": text, "score": m}
+                              for p, (text, _), m in zip(scored, texts[len(probes):], marks)]
+    run.append("eval.jsonl", row)
+    nll_text = "n/a" if nll is None else f"{nll:.4f}"
+    score_text = f" | score {row['score']:.3f} on {row['scored']} held-out samples" if "score" in row else ""
+    say(f"eval {when} (step {step}) | held-out nll {nll_text} per token{score_text}")
+    return row
+
+
+def result_record(status, run, job, final):
+    evals = run.rows("eval.jsonl")
+    before = next((r for r in evals if r.get("when") == "before"), {})
+    after = next((r for r in reversed(evals) if r.get("when") == "after"), {})
+    probes = after.get("probes") or before.get("probes") or []
+    sampler = final.get("sampler_path")
+    record = {
+        "status": status, "log_path": str(run.path), "steps": job.total_steps,
+        "state_path": final.get("state_path"), "sampler_path": sampler,
+        "eval": {"nll_before": before.get("nll"), "nll_after": after.get("nll"), "probes": probes},
+        "tokens": {"model_input": job.summary["tokens"]["model_input"], "trained": job.summary["tokens"]["trained"]},
+        "format": job.fmt,
+        "sampling": {"model_path": sampler, "stop": job.fmt["stop"],
+                     "hint": f"python tinker_infer.py --run {run.path} (renders prompts in this run's format)"},
+    }
+    scores = [(r["when"], r["step"], r["score"]) for r in evals if "score" in r]
+    if scores:
+        record["score"] = [{"when": w, "step": s, "score": v} for w, s, v in scores]
+    return record
+
+
+def rehearsal_checks(report):
+    """Rehearsal checks 2-4 (check 1, the mask, ran before training): every probe (a training prompt)
+    answers its trained answer after training and none did before; the held-out NLL at least halves."""
+    probes = report["eval"]["probes"]
+    after = sum(1 for p in probes if p.get("after_score") == 1.0)
+    before = sum(1 for p in probes if p.get("before_score") == 1.0)
+    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
+    checks = [
+        {"check": f"after-training probes reproduce the trained answers ({after}/{len(probes)})",
+         "passed": bool(probes) and after == len(probes)},
+        {"check": f"before-training probes do not ({before}/{len(probes)} did)", "passed": before == 0},
+        {"check": f"held-out NLL falls by half or more ({nll_before:.3f} -> {nll_after:.3f})"
+         if nll_before is not None and nll_after is not None else "held-out NLL measured",
+         "passed": nll_before is not None and nll_after is not None and nll_after <= nll_before / 2},
+    ]
+    return {"passed": all(c["passed"] for c in checks), "checks": checks}
+
+
+def print_outcome(args, job, report):
+    """A few lines a newcomer can read: what was trained, what it learnt, where it is, what it costs."""
+    ev, log = report["eval"], report["log_path"]
+    data = args.data or "the built-in rehearsal set"
+    nll = (f"{ev['nll_before']:.3f} -> {ev['nll_after']:.3f}" if ev["nll_before"] is not None
+           and ev["nll_after"] is not None else "n/a (no held-out data)")
+    usd = ((report.get("cost") or {}).get("usd") or {}).get("total")
+    lines = ["", "==== what happened ====",
+             f"trained  a LoRA (rank {args.lora_rank}) on {args.model_name}: {job.total_steps} steps of "
+             f"{job.summary['batch_size']} examples from {data}; the loss covers only the assistant's answer "
+             "and its end-of-turn token",
+             f"held-out NLL per token  {nll}"]
+    for p in ev["probes"][:4]:
+        lines.append(f"probe    {p['prompt'][:50]!r}  expected {p['expected'][:40]!r}  before {p.get('before', '')[:40]!r}"
+                     f"  after {p.get('after', '')[:40]!r}")
+    for c in (report.get("rehearsal") or {}).get("checks", []):
+        lines.append(f"check    {'ok  ' if c['passed'] else 'FAIL'} {c['check']}")
+    lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl, eval.jsonl); "
+              f"final sampler {report['sampler_path']}",
+              f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above)" if usd is not None
+              else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
+              f"next     sample it: python {os.path.relpath(Path(__file__).parent / 'tinker_infer.py')} --run {log} --prompt "
+              f"{(ev['probes'][0]['prompt'] if ev['probes'] else 'Hello')!r}"
+              + (" (on the local backend: inside the same tinker_local.py run/serve)" if args.rehearse else ""),
+              f"took     {report.get('seconds', 0):.0f} s"]
+    say("\n".join(lines))
+
+
+REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
+    ("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+    ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down."),
+    ("What do bees make?", "Honey."), ("What is frozen water called?", "Ice."),
+    ("Which animal says moo?", "A cow."), ("What is the opposite of hot?", "Cold."),
+]]
+REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
+    ("What colour is grass?", "Green."), ("What is the capital of Italy?", "Rome."),
+    ("How many legs does a bird have?", "Two."), ("What is the opposite of up?", "Down."),
+]]
+
+
+# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, training, service) ====
+# Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
+# tests/test_shared_code.py fails when this copy differs from its source.
+
+
+# ---- common/errors.py ----
+# Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import json
+import signal
+import sys
+
+# 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
+# 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
+
+
+class ScriptError(Exception):
+    """A failure explained in one line: what failed, what was expected, the next command."""
+
+    exit_code = EXIT_FAILURE
+
+
+class DataError(ScriptError):
+    """Bad input or usage: data, flags, paths, unknown model, context overflow."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
 class RenderError(DataError):
     """The chat template cannot produce a faithful datum for this example."""
 
 
-class BudgetError(SFTError):
-    exit_code = 3
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
 
 
-class AccessError(SFTError):
-    exit_code = 4
+class AccessError(ScriptError):
+    """No credentials, credentials refused, or the service cannot be reached."""
+
+    exit_code = EXIT_NO_ACCESS
 
 
-# ---------------------------------------------------------------------------------------------
-# Data: reading and validation
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the script is so `finally` blocks and the run record close cleanly."""
 
 
-def read_jsonl(path):
-    """(line number, object) for each non-blank line; malformed JSON is a DataError naming the line."""
-    if not path:
-        raise DataError("no training data: pass --data FILE.jsonl (or edit load_dataset())")
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def say(*parts) -> None:
+    """Progress and warnings: stderr, so stdout carries only the final JSON object."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def emit(obj: dict) -> None:
+    """The one JSON object a script prints on stdout."""
+    print(json.dumps(obj), flush=True)
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:limit]
+
+
+RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+
+def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
+    """Run main(argv) and turn every way it can end into an exit code and at most one stderr line.
+    error_json: also print {"status": "error"|"interrupted", "exit_code", "error"} on stdout, for a script
+    whose stdout always ends in one JSON object (tinker_infer.py); interrupted_hint: what to do after ^C."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return main(argv)
+    except ScriptError as e:
+        code, status, line = e.exit_code, "error", f"error: {one_line(e, 2000)}"
+    except Terminated:
+        code, status, line = 143, "interrupted", f"terminated: {interrupted_hint}"
+    except KeyboardInterrupt:
+        code, status, line = 130, "interrupted", f"interrupted: {interrupted_hint}"
+    except Exception as e:  # Tinker or runtime failure: one line; the SDK's log has the details
+        code, status, line = EXIT_FAILURE, "error", f"error: {type(e).__name__}: {one_line(e)}"
+    say(line)
+    if error_json:
+        emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
+    return code
+
+
+# ---- common/flags.py ----
+# Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
+import math
+import os
+from pathlib import Path
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_number(dest: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
+    """DataError unless value is a finite number within [low, high] (open ends where asked); None passes."""
+    if value is None:
+        return
+    name = flag_name(dest)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{name} {value!r}: expected a finite number")
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf' if high is None else high}{')' if high_open else ']'}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        raise DataError(f"{name} {value}: expected a value in {bounds}")
+
+
+def check_numbers(args, rules: dict) -> None:
+    """rules: {dest: dict(low=..., high=..., low_open=..., high_open=...)} checked against args.dest."""
+    for dest, bounds in rules.items():
+        check_number(dest, getattr(args, dest, None), **bounds)
+
+
+def check_readable_file(path, what: str) -> Path:
+    """An existing, readable file, or DataError naming the flag and the file."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{what} {path}: no such file")
+    if p.is_dir():
+        raise DataError(f"{what} {path} is a folder; expected a file")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"{what} {path} is not readable (permissions)")
+    return p
+
+
+def check_writable_dir(path, what: str) -> Path:
+    """A folder that exists and is writable, or can be created under a writable parent."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise DataError(f"{what} {path} is a file; expected a folder (choose another {what})")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DataError(f"{what} {path}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
+    return p
+
+
+# ---- common/data.py ----
+# Reading and validating conversation data (JSONL of {"messages"} or {"prompt", "completion"}).
+import json
+import random
+from pathlib import Path
+
+
+def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
+    """(line number, object) for each non-blank line; bad bytes or bad JSON is a DataError naming the line."""
+    if not path:
+        raise DataError(f"no data: pass {what} FILE.jsonl (or edit the EDIT ME loader)")
+    try:
+        raw = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise DataError(f"{what} {path} is a folder; expected a JSONL file") from None
     except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}; expected a JSONL file") from None
+        raise DataError(f"cannot read {what} {path}: {e.strerror}; expected a JSONL file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     rows = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -191,37 +807,43 @@ def read_jsonl(path):
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def validate_example(obj, line_no):
+def validate_messages(msgs, where: str, *, need_assistant: bool = True) -> list[dict]:
+    """A checked copy of a conversation, or DataError naming the message and what is wrong."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        role = m["role"]
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(f"{where}: message {i} reasoning_content must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
+            raise DataError(f"{where}: message {i} tool_calls must be a list of "
+                            "{'type': 'function', 'function': {'name', 'arguments'}} objects")
+        if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
+            raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
+        clean.append(dict(m))
+    check_role_order(clean, where, need_assistant=need_assistant)
+    return clean
+
+
+def validate_example(obj, line_no) -> dict:
     """A checked copy of one example ({"messages"} or {"prompt", "completion"}) plus "line"; else DataError."""
     where = f"line {line_no}"
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'completion', got {type(obj).__name__}")
+        raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'completion', "
+                        f"got {type(obj).__name__}")
     if "messages" in obj:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or "role" not in m:
-                raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
-            role = m["role"]
-            if role not in ROLES:
-                raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
-            content = m.get("content")
-            if not isinstance(content, str):
-                raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
-            reasoning = m.get("reasoning_content")
-            if reasoning is not None and not isinstance(reasoning, str):
-                raise DataError(f"{where}: message {i} reasoning_content must be a string")
-            calls = m.get("tool_calls")
-            if calls is not None and (not isinstance(calls, list) or not all(
-                    isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
-                raise DataError(f"{where}: message {i} tool_calls must be a list of "
-                                "{'type': 'function', 'function': {'name', 'arguments'}} objects")
-            if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
-                raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
-            clean.append(dict(m))
-        _check_role_order(clean, where)
+        clean = validate_messages(obj["messages"], where)
         tools = obj.get("tools")
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise DataError(f"{where}: 'tools' must be a list of JSON-schema tool objects")
@@ -236,9 +858,9 @@ def validate_example(obj, line_no):
     raise DataError(f"{where}: expected a 'messages' list or 'prompt'/'completion' strings, got keys {sorted(obj)}")
 
 
-def _check_role_order(msgs, where):
+def check_role_order(msgs, where, *, need_assistant=True):
     roles = [m["role"] for m in msgs]
-    if "assistant" not in roles:
+    if need_assistant and "assistant" not in roles:
         raise DataError(f"{where}: conversation has no assistant turn; add a {{'role': 'assistant'}} message to train on")
     prev = None
     for i, role in enumerate(roles):
@@ -256,12 +878,48 @@ def _check_role_order(msgs, where):
         prev = role
 
 
+def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2:
+            where, obj = item
+        else:
+            where, obj = i + 1, item
+        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+    return out
+
+
+def split_examples(train, test, fraction, seed):
+    """(train, held-out): `test` when given, else a seeded `fraction` of the training examples."""
+    if test is not None or fraction == 0 or len(train) < 2:
+        return train, test or []
+    order = list(range(len(train)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:max(1, round(fraction * len(train)))])
+    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+# ---- common/render.py ----
+# Tokenizer loading, the run record's "format", and rendering through the model's own chat template.
+#
+# The masking rule: a datum's weights are 1 exactly on what the model must produce after the generation
+# prompt (the assistant's tokens, end-of-turn token included) and 0 on everything else. Rendering is
+# deterministic: the date a template prints is frozen, so a resumed run renders the same datums.
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+
+
+FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
+FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given
+
+
 def has_reasoning(message):
     return bool((message.get("reasoning_content") or "").strip()) or "<think>" in message.get("content", "")
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer and format
 
 
 def tokenizer_record(name_or_path: str) -> str:
@@ -597,9 +1255,209 @@ def weighted_spans(tokenizer, r: Rendered) -> list[str]:
     return [tokenizer.decode(s) for s in spans]
 
 
-# ---------------------------------------------------------------------------------------------
-# Settings that depend on the model
+def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
+    """--format auto|chat|raw: auto is raw for *-Base models or tokenizers without a template, else chat."""
+    if kind == "auto":
+        base = model_name.split(":", 1)[0].endswith("-Base")
+        kind = "raw" if base or not tokenizer.chat_template else "chat"
+    if kind == "chat":
+        return chat_format(tokenizer, name=tokenizer_name, thinking=thinking)
+    return raw_format(tokenizer, name=tokenizer_name)
 
+
+def render_all(examples, tokenizer, fmt, train_on) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+    out = []
+    for ex in examples:
+        try:
+            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
+        except RenderError as e:
+            raise RenderError(f"line {ex['line']}: {e}") from None
+    return out
+
+
+def apply_length_limit(rendered, limit, mode):
+    """(kept, dropped lines) of [(line, Rendered)]. mode: 'error' | 'drop' | 'truncate'."""
+    if not limit:
+        return rendered, []
+    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
+    if not long:
+        return rendered, []
+    if mode == "error":
+        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
+        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
+        raise DataError(
+            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
+            "or pass --drop-long or --truncate")
+    kept, dropped = [], []
+    for line, r in rendered:
+        if len(r.tokens) <= limit:
+            kept.append((line, r))
+        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
+            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
+        else:  # dropped, or truncation would leave nothing to train
+            dropped.append(line)
+    return kept, dropped
+
+
+# ---- common/run_record.py ----
+# The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
+#
+# Nothing is lost on a crash: rows are appended and fsynced one at a time, config.json is replaced
+# atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
+# changes until every check that can refuse the run (flags, data, budget) has passed.
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Run:
+    """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
+    `rewind` and `checkpoint` are the only writers."""
+
+    def __init__(self, path, extra_files=()):
+        self.path = Path(path)
+        self.files = RUN_FILES + tuple(extra_files)
+
+    def file(self, name) -> Path:
+        return self.path / name
+
+    def rows(self, name) -> list[dict]:
+        """Rows of a JSONL file; a torn line (a kill mid-write) is skipped, a missing file is []."""
+        path = self.file(name)
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def append(self, name, row: dict) -> None:
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        path = self.file(name)
+        with open(path, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(row) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_json(self, name, obj) -> None:
+        """Atomic replace: a kill leaves the old file or the new one, never half of one."""
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def write_rows(self, name, rows) -> None:
+        """Replace a JSONL file atomically (e.g. a dry run's datums.jsonl); creates the folder."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def config(self) -> dict:
+        try:
+            return json.loads(self.file("config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def holds_run(self) -> bool:
+        return any(self.file(n).exists() for n in ("metrics.jsonl", "checkpoints.jsonl"))
+
+    def checkpoints(self) -> list[dict]:
+        return [r for r in self.rows("checkpoints.jsonl") if r.get("state_path")]
+
+    def resume_point(self, *, resume: bool, overwrite: bool, dry_run: bool = False) -> dict | None:
+        """The checkpoint row --resume continues from (None for a new run). Refuses to mix two runs in
+        one folder. Writes nothing."""
+        if resume:
+            rows = self.checkpoints()
+            if not rows:
+                raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
+                                "without --resume (add --overwrite to replace what is there)")
+            return rows[-1]
+        if self.holds_run() and not overwrite and not dry_run:
+            raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
+                            "replace it (or choose another --log-path)")
+        return None
+
+    def check_resume(self, config: dict, keys) -> None:
+        """DataError naming every setting in `keys` (and the format) that differs from the saved run.
+        config.json is never rewritten on resume: the saved settings stay the record of the run."""
+        saved = self.config()
+        if not saved:
+            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
+                            "run cannot be checked (start a new run with --overwrite)")
+        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        saved_fmt = dict(saved.get("format") or {})
+        if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
+            saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
+        if saved_fmt and saved_fmt != config.get("format"):
+            diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        if diffs:
+            raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
+                            "resume with the original flags (or start a new --log-path)")
+
+    def begin(self, config: dict) -> None:
+        """A new run: the folder's old record removed, config.json written. Call after every check."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            self.file(name).unlink(missing_ok=True)
+        self.write_json("config.json", config)
+
+    def rewind(self, name, keep) -> None:
+        """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
+        if not self.file(name).exists():
+            return
+        text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if keep(r))
+        tmp = self.file(name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.file(name))
+
+    def checkpoint(self, *, name, step, position: dict, epoch, state_path, sampler_path, fmt, **extra) -> dict:
+        """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
+        starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
+        row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+        self.append("checkpoints.jsonl", row)
+        return row
+
+
+# ---- common/training.py ----
+# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+import math
+import random
+
+
+# The cookbook's Adam values; the SDK's default eps is 1e-12.
+ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
 
 # Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
 HIDDEN_SIZES = {
@@ -640,20 +1498,169 @@ def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
     return 1.0
 
 
-def resolve_format(args, tokenizer, tokenizer_name):
-    kind = args.format
-    if kind == "auto":
-        base = args.model_name.split(":", 1)[0].endswith("-Base")
-        kind = "raw" if base or not tokenizer.chat_template else "chat"
-    if kind == "chat":
-        return chat_format(tokenizer, name=tokenizer_name, thinking=args.thinking)
-    return raw_format(tokenizer, name=tokenizer_name)
+def plan_steps(n_train, batch_size, epochs, max_steps):
+    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
+    same size; a data set smaller than one batch is one batch."""
+    per_epoch = max(n_train // batch_size, 1)
+    total = per_epoch * epochs
+    return per_epoch, min(total, max_steps) if max_steps else total
+
+
+class BatchOrder:
+    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
+    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
+    batches an uninterrupted one would."""
+
+    def __init__(self, n_train, batch_size, per_epoch, seed):
+        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
+        self._epoch, self._order = None, None
+
+    def __call__(self, step) -> list[int]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._order = list(range(self.n))
+            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order[index * self.size:(index + 1) * self.size]
+
+
+def trained_mask(r) -> list[float]:
+    """1.0 on each target position the loss trains (after the shift by one), else 0.0."""
+    return [1.0 if w else 0.0 for w in r.weights[1:]]
+
+
+def training_datums(rendered) -> list:
+    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss (the
+    cookbook default since its issue 271: long answers do not dominate a batch)."""
+    datums = []
+    for r in rendered:
+        n = sum(1 for w in r.weights[1:] if w) or 1
+        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
+    return datums
+
+
+def batch_nll(result, masks) -> float:
+    """NLL per trained token of a forward(_backward) result, from the per-datum target logprobs."""
+    total = count = 0.0
+    for out, mask in zip(result.loss_fn_outputs, masks):
+        logprobs = out["logprobs"].tolist()
+        total -= sum(lp * m for lp, m in zip(logprobs, mask))
+        count += sum(mask)
+    return total / max(count, 1.0)
+
+
+# ---- common/service.py ----
+# Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
+# and the optional cost preflight through tinker_pricing.py beside the script.
+import importlib
+import os
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
+REACH_TIMEOUT_S = 3.0
+CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
+LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+
+
+def service_url() -> str:
+    """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
+    return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
+
+
+def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, setting: str = "TINKER_BASE_URL") -> None:
+    """One TCP connection to the service within timeout_s, or AccessError. The SDK retries an unreachable
+    first call for minutes; this turns a dead TINKER_BASE_URL into a one-line exit 4 in seconds. Once the
+    service has answered, the SDK's own retries handle transient failures. setting: the flag or variable
+    that chose url, named in the error."""
+    import urllib.request
+
+    url = url or service_url()
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or parts.scheme not in ("http", "https"):
+        raise AccessError(f"{setting} {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000"
+                          + ("; unset it to use hosted Tinker" if setting == "TINKER_BASE_URL" else ""))
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(host):
+        return  # through a proxy the TCP check proves nothing; the SDK reports the failure
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, socket.gaierror):
+            reason = f"host {host} does not resolve"
+        local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
+        hint = LOCAL_HINT if local else "check the network"
+        raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
+                          f"{hint}, or fix {setting}") from None
+
+
+def require_credentials() -> str:
+    """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    key = os.environ.get("TINKER_API_KEY", "")
+    if key and not key.startswith(("tml-", "eyJ")):
+        raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
+                          "from the Tinker console")
+    if key:
+        return key
+    import tinker
+
+    if not tinker.auth.tinker_has_credentials():
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
+                          f"or {LOCAL_HINT}")
+    return tinker.auth.get_tinker_token() or ""
+
+
+def rest_client():
+    """RestClient for the current environment. Explicit arguments, because RestClient() with none reuses
+    the first one made in the process, whatever TINKER_BASE_URL says now."""
+    import tinker
+
+    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
+                             api_key=os.environ.get("TINKER_API_KEY") or None)
+
+
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
+    check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
+    sampled): no served-model check, context window None."""
+    import difflib
+
+    require_credentials()
+    check_reachable()
+    import tinker
+
+    if model_name is None:
+        return tinker.ServiceClient(), None
+    try:
+        caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
+        raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
+    except (tinker.APIConnectionError, tinker.APITimeoutError, TimeoutError, OSError) as e:
+        raise AccessError(f"no answer from {service_url()} ({type(e).__name__}); check the network or "
+                          "TINKER_BASE_URL") from None
+    models = {m.model_name: m for m in caps.supported_models if m.model_name}
+    model = models.get(model_name.split(":", 1)[0]) or models.get(model_name)
+    if model is None:
+        close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
+        shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
+        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+    if trainable and model.trainable is False:
+        raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
+    return tinker.ServiceClient(), model.max_context_length
 
 
 def check_tinker_path(path, need):
     """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
     parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights"):
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
         raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
     if parts[1] != need:
         if need == "weights":
@@ -666,574 +1673,46 @@ def check_tinker_path(path, need):
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# Data preparation: split, render, length limits, batch order
-
-
-def normalise_items(items, source):
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, tuple) and len(item) == 2:
-            where, obj = item
-        else:
-            where, obj = i + 1, item
-        out.append(validate_example(obj, where if source is None else f"{where} of {source}"))
-    return out
-
-
-def split_examples(train, test, args):
-    """Held-out set: --test-data, else a seeded --test-fraction split of the training examples."""
-    if test is not None or args.test_fraction == 0 or len(train) < 2:
-        return train, test or []
-    order = list(range(len(train)))
-    random.Random(args.seed).shuffle(order)
-    n_test = max(1, round(args.test_fraction * len(train)))
-    held = set(order[:n_test])
-    return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
-
-
-def render_all(examples, tokenizer, fmt, train_on):
-    """[(line, Rendered)] for every example; a RenderError names the example's line."""
-    out = []
-    for ex in examples:
-        try:
-            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
-        except RenderError as e:
-            raise RenderError(f"line {ex['line']}: {e}") from None
-    return out
-
-
-def apply_length_limit(rendered, limit, mode):
-    """(kept, dropped lines). mode: 'error' | 'drop' | 'truncate'."""
-    if not limit:
-        return rendered, []
-    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
-    if not long:
-        return rendered, []
-    if mode == "error":
-        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
-        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
-        raise DataError(
-            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
-            "or pass --drop-long or --truncate")
-    kept, dropped = [], []
-    for line, r in rendered:
-        if len(r.tokens) <= limit:
-            kept.append((line, r))
-        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
-            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
-        else:  # dropped, or truncation would leave nothing to train
-            dropped.append(line)
-    return kept, dropped
-
-
-def plan_steps(n_train, batch_size, epochs, max_steps):
-    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
-    same size; a data set smaller than one batch is one batch."""
-    per_epoch = max(n_train // batch_size, 1)
-    total = per_epoch * epochs
-    return per_epoch, min(total, max_steps) if max_steps else total
-
-
-def batch_indices(step, n_train, batch_size, per_epoch, seed):
-    """Datum indices of global batch `step`: a fixed order per epoch from --seed, so a resumed run
-    trains exactly the batches an uninterrupted one would."""
-    epoch, index = divmod(step, per_epoch)
-    order = list(range(n_train))
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    size = min(batch_size, n_train)
-    return order[index * size:(index + 1) * size]
-
-
-def training_datums(rendered):
-    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss."""
-    datums = []
-    for r in rendered:
-        n = sum(1 for w in r.weights[1:] if w) or 1
-        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
-    return datums
-
-
-def trained_mask(r):
-    return [1.0 if w else 0.0 for w in r.weights[1:]]
-
-
-# ---------------------------------------------------------------------------------------------
-# Run record
-
-
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl", "datums.jsonl")
-# Settings that must match for --resume to continue the same run exactly.
-RESUME_KEYS = ("model_name", "data", "test_data", "test_fraction", "train_on", "batch_size", "epochs",
-               "max_steps", "seed", "learning_rate", "lr_schedule", "warmup_steps", "lora_rank",
-               "max_length", "drop_long", "truncate", "init_from")
-
-
-def read_rows(path):
-    """Rows of a JSONL record; a torn last line (a kill mid-write) is ignored."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def append_row(path, row):
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def check_log_dir(log, args):
-    """Refuse to mix two runs in one folder; with --resume, the last checkpoint row to continue from."""
-    has_run = any((log / name).exists() for name in ("metrics.jsonl", "checkpoints.jsonl"))
-    if args.resume:
-        rows = [r for r in read_rows(log / "checkpoints.jsonl") if r.get("state_path")]
-        if not rows:
-            raise DataError(
-                f"--resume: no checkpoint in {log / 'checkpoints.jsonl'}; start a new run without --resume "
-                "(add --overwrite to replace what is there)")
-        return rows[-1]
-    if has_run and not args.overwrite and not args.dry_run:
-        raise DataError(
-            f"{log} already holds a run; pass --resume to continue it or --overwrite to replace it "
-            "(or choose another --log-path)")
-    return None
-
-
-def settings_record(args, fmt, lr, lr_source, max_length):
-    config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
-    config.update(learning_rate=lr, learning_rate_source=lr_source, max_length=max_length, format=fmt,
-                  adam=ADAM, loss="cross_entropy; weights 1/(trained tokens) per datum")
-    return config
-
-
-def check_resume_config(log, config):
-    saved = json.loads((log / "config.json").read_text()) if (log / "config.json").exists() else {}
-    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-             for k in RESUME_KEYS if k in saved and saved.get(k) != config.get(k)]
-    if saved.get("format", {}).get("tokenizer"):  # runs recorded before folders were made absolute
-        saved["format"]["tokenizer"] = tokenizer_record(saved["format"]["tokenizer"])
-    if saved.get("format") and saved["format"] != config["format"]:
-        diffs.append("format (tokenizer, template or --format/--thinking)")
-    if diffs:
-        raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
-                        "resume with the original flags")
-
-
-# ---------------------------------------------------------------------------------------------
-# Cost
-
-
 def load_pricing():
     """tinker_pricing from beside this script, or None (then no dollar estimate)."""
-    if str(SCRIPT_DIR) not in sys.path:
-        sys.path.insert(0, str(SCRIPT_DIR))
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     try:
         return importlib.import_module("tinker_pricing")
     except ImportError:
         return None
 
 
-def estimate(args, tokens, context=None, label="sft"):
-    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or unprovable."""
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
         note = "no dollar estimate: tinker_pricing.py is not beside this script"
-        if args.max_usd is not None:
+        if max_usd is not None:
             raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        print(note, file=sys.stderr)
+        say(note)
         return None
     try:
-        return pricing.preflight(args.model_name, tokens, args.max_usd, label=label, context=context)
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
     except pricing.BudgetExceeded as e:
         raise BudgetError(str(e)) from None
-    except (pricing.UnknownModelError, ValueError) as e:
-        if args.max_usd is not None:
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
             raise BudgetError(f"cannot check --max-usd: {e}") from None
-        print(f"no dollar estimate: {e}", file=sys.stderr)
+        say(f"no dollar estimate: {e}")
         return None
 
 
 def catalogue_context(model_name):
+    """The model's context window from the price catalogue (for --dry-run), or None."""
     pricing = load_pricing()
     try:
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Tinker calls
-
-
-def connect(args):
-    """ServiceClient and the model's context window, or AccessError / DataError before any paid call."""
-    import tinker
-
-    if not tinker.auth.tinker_has_credentials():
-        raise AccessError(
-            "no Tinker credentials: set TINKER_API_KEY (tml-...), or audit for free with --dry-run, "
-            "or rehearse offline against the local backend (scripts/tinker_local.py)")
-    try:
-        caps = tinker.RestClient().get_server_capabilities().result()
-    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
-        raise AccessError(f"Tinker refused the credentials ({e.__class__.__name__}); check TINKER_API_KEY") from None
-    except (tinker.APIConnectionError, tinker.APITimeoutError, OSError) as e:
-        url = os.environ.get("TINKER_BASE_URL") or "the Tinker service"
-        raise AccessError(f"cannot reach {url} ({e.__class__.__name__}); check the network or TINKER_BASE_URL") from None
-    models = {m.model_name: m for m in caps.supported_models if m.model_name}
-    model = models.get(args.model_name)
-    if model is None:
-        shown = ", ".join(sorted(models)[:12])
-        raise DataError(f"unknown model {args.model_name!r}: this Tinker serves {shown}; pass one with --model-name")
-    if model.trainable is False:
-        raise DataError(f"{args.model_name} is not trainable on this Tinker; pick another --model-name")
-    return tinker.ServiceClient(), model.max_context_length
-
-
-def submit_held_out(tc, test_rendered):
-    """Queue a forward pass over the held-out datums (weights = the loss mask); None if there are none."""
-    if not test_rendered:
-        return None
-    data = [to_datum(Rendered(r.tokens, [1.0 if w else 0.0 for w in r.weights])) for r in test_rendered]
-    return tc.forward(data, "cross_entropy")
-
-
-def batch_nll(result, masks):
-    """NLL per trained token of a forward_backward batch, from the per-datum target logprobs."""
-    total = count = 0.0
-    for out, mask in zip(result.loss_fn_outputs, masks):
-        logprobs = out["logprobs"].tolist()
-        total -= sum(lp * m for lp, m in zip(logprobs, mask))
-        count += sum(mask)
-    return total / max(count, 1.0)
-
-
-def probe_prompts(examples, tokenizer, fmt, n):
-    probes = []
-    for ex in examples[:n]:
-        if "messages" in ex:
-            msgs = ex["messages"]
-            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            tokens = generation_prompt(msgs[:last], tokenizer, fmt, tools=ex.get("tools"))
-            expected = msgs[last]["content"]
-            text = msgs[last - 1]["content"]
-        else:
-            tokens = generation_prompt(ex["prompt"], tokenizer, fmt)
-            expected, text = ex["completion"], ex["prompt"]
-        probes.append({"line": ex["line"], "prompt": text, "expected": expected, "tokens": tokens})
-    return probes
-
-
-def greedy_samples(sampler, probes, fmt, tokenizer, max_tokens):
-    import tinker
-
-    params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=fmt["stop"])
-    futures = [sampler.sample(tinker.ModelInput.from_ints(p["tokens"]), 1, params) for p in probes]
-    outs = []
-    for f in futures:
-        seq = f.result().sequences[0]
-        toks = [t for t in seq.tokens if t not in fmt["stop"]]
-        outs.append((tokenizer.decode(toks, skip_special_tokens=False), len(seq.tokens)))
-    return outs
-
-
-def evaluate(forward, sampler, test_rendered, probes, fmt, tokenizer, args, step, log, when, sampled_from=None):
-    """Held-out NLL (from a queued forward) and greedy probes; one row in LOG/eval.jsonl."""
-    nll = batch_nll(forward.result(), [trained_mask(r) for r in test_rendered]) if forward else None
-    row = {"step": step, "when": when, "nll": nll,
-           "test_tokens": int(sum(sum(trained_mask(r)) for r in test_rendered))}
-    if sampler is not None and probes:
-        for p, (text, n) in zip(probes, greedy_samples(sampler, probes, fmt, tokenizer, args.max_tokens)):
-            p[when], p[f"{when}_sampled_tokens"] = text, n
-        row["sampled_from"] = sampled_from
-        row["probes"] = [{k: v for k, v in p.items() if k != "tokens"} for p in probes]
-    append_row(log / "eval.jsonl", row)
-    nll_text = "n/a" if nll is None else f"{nll:.4f}"
-    print(f"eval {when} (step {step}) | held-out nll {nll_text} per token", file=sys.stderr)
-    return nll
-
-
-def save_checkpoint(tc, log, name, step, per_epoch, fmt, sampler=False, ttl=None):
-    """save_state (+ save_weights_for_sampler) and the checkpoints.jsonl row once the paths are known."""
-    state = tc.save_state(name, ttl_seconds=ttl)
-    samp = tc.save_weights_for_sampler(name, ttl_seconds=ttl) if sampler else None
-    row = {"name": name, "step": step, "next_batch": step, "epoch": step // per_epoch,
-           "state_path": state.result().path, "sampler_path": samp.result().path if samp else None,
-           "format": fmt, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    append_row(log / "checkpoints.jsonl", row)
-    return row
-
-
-def pipelined(start, total, submit, finish):
-    """Run steps start..total-1. submit(step) queues a step on the server and returns a handle without
-    waiting; finish(handle) waits for it. Step N+1 is built and queued before step N is awaited, so the
-    server always has the next forward_backward + optim_step in hand and never idles on a round trip."""
-    pending = submit(start) if start < total else None
-    step = start
-    while pending is not None:
-        upcoming = submit(step + 1) if step + 1 < total else None
-        finish(pending)
-        pending, step = upcoming, step + 1
-
-
-def train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr, per_epoch, total_steps,
-          resume_row, log, service):
-    import tinker
-
-    start = 0
-    if resume_row is not None:
-        start = resume_row["next_batch"]
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        print(f"resumed from {resume_row['state_path']} at batch {start}", file=sys.stderr)
-    elif args.init_from:
-        tc = service.create_training_client_from_state(args.init_from).result()
-    else:
-        tc = service.create_lora_training_client(args.model_name, rank=args.lora_rank, seed=args.seed).result()
-
-    evals = read_rows(log / "eval.jsonl")
-    nll_before = next((r["nll"] for r in evals if r.get("when") == "before"), None)
-    if resume_row is None:
-        # Probes before training sample the base model (a fresh LoRA is the identity).
-        base = service.create_sampling_client(base_model=args.model_name).result() if probes else None
-        nll_before = evaluate(submit_held_out(tc, test_rendered), base, test_rendered, probes, fmt, tokenizer,
-                              args, 0, log, "before", sampled_from=args.model_name)
-
-    def submit(step):
-        """Queue one step (and its save) on the server; nothing here waits."""
-        rows = [train_rendered[i] for i in batch_indices(step, len(train_rendered), args.batch_size, per_epoch, args.seed)]
-        rate = lr * lr_multiplier(step, total_steps, args.lr_schedule, args.warmup_steps)
-        held_out = None
-        if args.eval_every and step > start and step % args.eval_every == 0:
-            held_out = submit_held_out(tc, test_rendered)  # queued first: it sees the weights after `step` steps
-        fb = tc.forward_backward(training_datums(rows), "cross_entropy")
-        opt = tc.optim_step(tinker.AdamParams(learning_rate=rate, **ADAM))
-        done = step + 1
-        save = None
-        if args.save_every and done % args.save_every == 0 and done < total_steps:
-            save = tc.save_state(f"{done:06d}", ttl_seconds=PERIODIC_TTL_SECONDS)
-        return {"step": step, "rows": rows, "lr": rate, "fb": fb, "opt": opt, "save": save, "held_out": held_out}
-
-    last_time = time.time()
-
-    def finish(pending):
-        """Wait for one step, log it, and record its checkpoint once the path is known."""
-        nonlocal last_time
-        step = pending["step"]
-        if pending["held_out"] is not None:
-            evaluate(pending["held_out"], None, test_rendered, [], fmt, tokenizer, args, step, log, "during")
-        result = pending["fb"].result()
-        pending["opt"].result()
-        masks = [trained_mask(r) for r in pending["rows"]]
-        now = time.time()
-        row = {"step": step + 1, "epoch": step // per_epoch, "loss": batch_nll(result, masks),
-               "loss_per_datum": result.metrics.get("loss:sum", float("nan")) / len(pending["rows"]),
-               "learning_rate": pending["lr"], "tokens": sum(len(r.tokens) - 1 for r in pending["rows"]),
-               "trained_tokens": int(sum(sum(m) for m in masks)), "seconds": round(now - last_time, 3)}
-        last_time = now
-        append_row(log / "metrics.jsonl", row)
-        print(f"step {row['step']}/{total_steps} | loss {row['loss']:.4f} | lr {row['learning_rate']:.1e} | "
-              f"{row['tokens']} tok | {row['seconds']:.1f}s", file=sys.stderr)
-        if pending["save"] is not None:
-            done = step + 1
-            append_row(log / "checkpoints.jsonl", {
-                "name": f"{done:06d}", "step": done, "next_batch": done, "epoch": done // per_epoch,
-                "state_path": pending["save"].result().path, "sampler_path": None, "format": fmt,
-                "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-
-    pipelined(start, total_steps, submit, finish)
-    final = save_checkpoint(tc, log, "final", total_steps, per_epoch, fmt, sampler=True)
-    sampler = service.create_sampling_client(model_path=final["sampler_path"]).result() if probes else None
-    nll_after = evaluate(submit_held_out(tc, test_rendered), sampler, test_rendered, probes, fmt, tokenizer,
-                         args, total_steps, log, "after", sampled_from=final["sampler_path"])
-    return final, nll_before, nll_after
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    log = Path(args.log_path)
-    resume_row = check_log_dir(log, args)
-    if args.init_from:
-        check_tinker_path(args.init_from, "weights")
-
-    tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
-    tokenizer = load_tokenizer(tokenizer_name)
-    fmt = resolve_format(args, tokenizer, tokenizer_name)
-
-    train_examples = normalise_items(load_dataset(args.data), None)
-    test_examples = normalise_items(load_dataset(args.test_data), args.test_data) if args.test_data else None
-    train_examples, test_examples = split_examples(train_examples, test_examples, args)
-    train_pairs = render_all(train_examples, tokenizer, fmt, args.train_on)
-    test_pairs = render_all(test_examples, tokenizer, fmt, args.train_on)
-
-    service, context = (None, None) if args.dry_run else connect(args)
-    if args.dry_run:
-        context = catalogue_context(args.model_name)
-    limit = min(x for x in (args.max_length, context) if x) if (args.max_length or context) else None
-    mode = "drop" if args.drop_long else "truncate" if args.truncate else "error"
-    train_pairs, dropped = apply_length_limit(train_pairs, limit, mode)
-    test_pairs, dropped_test = apply_length_limit(test_pairs, limit, mode)
-    if dropped or dropped_test:
-        print(f"dropped {len(dropped) + len(dropped_test)} datum(s) over {limit} tokens: lines "
-              f"{', '.join(map(str, (dropped + dropped_test)[:20]))}", file=sys.stderr)
-    if not train_pairs:
-        raise DataError("no training datum left after the length limit; raise --max-length or shorten the data")
-
-    lr, lr_source = args.learning_rate, "--learning-rate"
-    if lr is None:
-        lr, lr_source = recommended_learning_rate(args.model_name), "cookbook LoRA formula"
-        if lr is None:
-            lr, lr_source = 1e-4, "fallback (family not calibrated: pass --learning-rate)"
-        print(f"learning rate {lr:.3e} ({lr_source}, {args.model_name})", file=sys.stderr)
-
-    train_rendered = [r for _, r in train_pairs]
-    test_rendered = [r for _, r in test_pairs]
-    per_epoch, total_steps = plan_steps(len(train_rendered), args.batch_size, args.epochs, args.max_steps)
-    if len(train_rendered) < args.batch_size:
-        print(f"warning: {len(train_rendered)} training datums < --batch-size {args.batch_size}; "
-              f"one batch of {len(train_rendered)} per epoch", file=sys.stderr)
-    size = min(args.batch_size, len(train_rendered))
-    step_tokens = [sum(len(train_rendered[i].tokens) - 1
-                       for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
-                   for s in range(total_steps)]
-    run_tokens = sum(step_tokens)
-    trained_tokens = sum(sum(trained_mask(train_rendered[i])) for s in range(total_steps)
-                         for i in batch_indices(s, len(train_rendered), args.batch_size, per_epoch, args.seed))
-    n_evals = 2 + (total_steps - 1) // args.eval_every if args.eval_every else 2
-    held_out_tokens = sum(len(r.tokens) - 1 for r in test_rendered)  # one eval's forward pass
-    eval_tokens = n_evals * held_out_tokens
-    probes = probe_prompts(test_examples or train_examples, tokenizer, fmt, args.num_probes)
-    # A --resume pays only for what is left: its steps, its evals, and no "before" eval or probes.
-    start = min(resume_row["next_batch"], total_steps) if resume_row is not None else 0
-    evals_left = (start == 0) + 1 + ((total_steps - 1) // args.eval_every - start // args.eval_every
-                                     if args.eval_every else 0)
-    probe_rounds = 2 if start == 0 else 1
-    cost_tokens = {"train": sum(step_tokens[start:]) + evals_left * held_out_tokens,
-                   "prefill": probe_rounds * sum(len(p["tokens"]) for p in probes),
-                   "sample": probe_rounds * len(probes) * args.max_tokens}
-    longest_line, longest = max(train_pairs + test_pairs, key=lambda p: len(p[1].tokens))
-    summary = {
-        "examples": {"train": len(train_examples), "test": len(test_examples),
-                     "dropped": len(dropped) + len(dropped_test)},
-        "datums": {"train": len(train_rendered), "test": len(test_rendered)},
-        "steps": total_steps, "batch_size": size, "batches_per_epoch": per_epoch,
-        "tokens": {"model_input": run_tokens, "trained": int(trained_tokens), "eval_forward": eval_tokens,
-                   "per_epoch": sum(len(r.tokens) - 1 for r in train_rendered)},
-        "longest": {"line": longest_line, "tokens": len(longest.tokens)},
-        "max_length": limit, "learning_rate": lr,
-    }
-    print_summary(summary, fmt, args)
-    cost = estimate(args, cost_tokens, context=None,
-                    label="sft" if not start else f"sft, remaining {total_steps - start} of {total_steps} steps "
-                                                  "after --resume")
-
-    config = settings_record(args, fmt, lr, lr_source, limit)
-    if args.dry_run:
-        log.mkdir(parents=True, exist_ok=True)
-        with open(log / "datums.jsonl", "w") as f:
-            for split, pairs in (("train", train_pairs), ("test", test_pairs)):
-                for line, r in pairs:
-                    f.write(json.dumps({"split": split, "line": line, "tokens": r.tokens, "weights": r.weights,
-                                        "trained_text": weighted_spans(tokenizer, r)}) + "\n")
-        emit({"status": "dry_run", "log_path": str(log), **summary, "cost": cost, "format": fmt})
-        return 0
-
-    if resume_row is not None:
-        check_resume_config(log, config)
-        if resume_row["next_batch"] >= total_steps and resume_row.get("name") == "final":
-            evals = read_rows(log / "eval.jsonl")
-            emit(result_record("complete", log, total_steps, resume_row, evals, run_tokens, trained_tokens, fmt))
-            return 0
-        # Rows past the checkpoint were trained by the killed process and will be trained again.
-        keep = [r for r in read_rows(log / "metrics.jsonl") if r["step"] <= resume_row["next_batch"]]
-        (log / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in keep))
-        evals = [r for r in read_rows(log / "eval.jsonl") if r["step"] <= resume_row["next_batch"] and r["when"] != "after"]
-        (log / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
-    else:
-        log.mkdir(parents=True, exist_ok=True)
-        for name in RUN_FILES:
-            if name != "datums.jsonl":
-                (log / name).unlink(missing_ok=True)
-        (log / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    final, nll_before, nll_after = train(args, tokenizer, fmt, train_rendered, test_rendered, probes, lr,
-                                         per_epoch, total_steps, resume_row, log, service)
-    evals = read_rows(log / "eval.jsonl")
-    with contextlib.suppress(Exception):  # the run is saved; a failed session close changes nothing
-        service.close("success").result()
-    record = result_record("ok", log, total_steps, final, evals, run_tokens, trained_tokens, fmt)
-    template = f"chat template {fmt['template_sha256'][:12]}" if fmt["kind"] == "chat" else "raw text + EOS"
-    print(f"sample it in the format it was trained in ({template}, stop {fmt['stop']}): "
-          f"{record['sampling']['hint']}; sampler path {final['sampler_path']}", file=sys.stderr)
-    emit(record)
-    return 0
-
-
-def print_summary(summary, fmt, args):
-    """The audit as a table on stderr: what will be trained, on what, at which rate."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="tinker_sft plan", show_header=False, title_justify="left")
-    fmt_text = (f"chat template {fmt['template_sha256'][:12]}, kwargs {fmt['template_kwargs']}"
-                if fmt["kind"] == "chat" else "raw text + EOS")
-    for key, value in [
-        ("model", args.model_name), ("format", f"{fmt_text}, stop {fmt['stop']}"),
-        ("datums", f"{summary['datums']['train']} train / {summary['datums']['test']} held-out "
-                   f"({summary['examples']['dropped']} dropped over the limit)"),
-        ("steps", f"{summary['steps']} of {summary['batch_size']} datums ({summary['batches_per_epoch']} per epoch)"),
-        ("tokens", f"{summary['tokens']['model_input']} model-input, {summary['tokens']['trained']} trained, "
-                   f"{summary['tokens']['eval_forward']} held-out forward"),
-        ("longest", f"{summary['longest']['tokens']} tokens (line {summary['longest']['line']}), "
-                    f"limit {summary['max_length'] or 'unknown'}"),
-        ("learning rate", f"{summary['learning_rate']:.3e}, {args.lr_schedule}, warmup {args.warmup_steps}"),
-    ]:
-        table.add_row(key, str(value))
-    Console(stderr=True, highlight=False, soft_wrap=True).print(table)
-
-
-def result_record(status, log, steps, final, evals, run_tokens, trained_tokens, fmt):
-    before = next((r for r in evals if r.get("when") == "before"), {})
-    after = next((r for r in reversed(evals) if r.get("when") == "after"), {})
-    probes = after.get("probes") or before.get("probes") or []
-    sampler = final.get("sampler_path")
-    return {
-        "status": status, "log_path": str(log), "steps": steps,
-        "state_path": final.get("state_path"), "sampler_path": sampler,
-        "eval": {"nll_before": before.get("nll"), "nll_after": after.get("nll"), "probes": probes},
-        "tokens": {"model_input": run_tokens, "trained": int(trained_tokens)},
-        "format": fmt,
-        "sampling": {"model_path": sampler, "stop": fmt["stop"],
-                     "hint": f"python tinker_infer.py --run {log} (renders prompts in this run's format)"},
-    }
-
-
-def emit(obj):
-    print(json.dumps(obj))
-
-
-def cli():
-    try:
-        return main()
-    except SFTError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: continue with the same command plus --resume", file=sys.stderr)
-        return 130
-    except Exception as e:  # Tinker or runtime failure: one line, the details are in the SDK's log
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+# ==== END SHARED CODE (sha256 260c5ed03c36) ====
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

@@ -234,10 +234,11 @@ def test_recommended_learning_rate_matches_the_cookbook_table():
 def test_batch_order_is_fixed_per_epoch_and_covers_each_datum_once():
     per_epoch, total = sft.plan_steps(10, 3, 2, None)
     assert (per_epoch, total) == (3, 6)
-    epoch0 = [i for s in range(3) for i in sft.batch_indices(s, 10, 3, per_epoch, seed=1)]
-    epoch1 = [i for s in range(3, 6) for i in sft.batch_indices(s, 10, 3, per_epoch, seed=1)]
+    order = sft.BatchOrder(10, 3, per_epoch, seed=1)
+    epoch0 = [i for s in range(3) for i in order(s)]
+    epoch1 = [i for s in range(3, 6) for i in order(s)]
     assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9 and epoch0 != epoch1
-    assert sft.batch_indices(4, 10, 3, per_epoch, seed=1) == sft.batch_indices(4, 10, 3, per_epoch, seed=1)
+    assert order(4) == sft.BatchOrder(10, 3, per_epoch, seed=1)(4)
     assert sft.plan_steps(10, 3, 2, 4) == (3, 4)
     assert sft.plan_steps(2, 8, 3, None) == (1, 3)
 
@@ -375,7 +376,7 @@ def test_resume_reads_the_last_saved_row_and_ignores_a_torn_line(tmp_path):
             {"name": "000004", "step": 4, "next_batch": 4, "state_path": "tinker://a/weights/000004"}]
     (log / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"name": "0000')
     args = sft.parse_args(["--log-path", str(log), "--resume"])
-    assert sft.check_log_dir(log, args)["next_batch"] == 4
+    assert sft.Run(log).resume_point(resume=args.resume, overwrite=args.overwrite)["next_batch"] == 4
 
 
 # ---- tokenizer: recorded so it loads from anywhere, and no long wait when the hub is out of reach ----
@@ -403,9 +404,9 @@ def test_resume_accepts_a_run_that_recorded_the_same_folder_relative(tmp_path, q
     monkeypatch.chdir(folder.parent)
     fmt = {"kind": "chat", "tokenizer": os.path.join(os.getcwd(), folder.name), "stop": [151645]}
     (tmp_path / "config.json").write_text(json.dumps({"format": {**fmt, "tokenizer": folder.name}}))
-    sft.check_resume_config(tmp_path, {"format": fmt})  # no DataError
+    sft.Run(tmp_path).check_resume({"format": fmt}, sft.RESUME_KEYS)  # no DataError
     with pytest.raises(sft.DataError, match="format"):
-        sft.check_resume_config(tmp_path, {"format": {**fmt, "stop": [1]}})
+        sft.Run(tmp_path).check_resume({"format": {**fmt, "stop": [1]}}, sft.RESUME_KEYS)
 
 
 def test_an_unreachable_hub_fails_in_seconds_naming_both_ways_to_run_offline(tmp_path):
@@ -457,3 +458,85 @@ def test_a_resumed_run_prices_only_the_steps_left(tmp_path, qwen3_path, local_ti
     [whole_line] = [x for x in whole.stderr.splitlines() if x.startswith("cost estimate (sft: ")]
     usd = lambda text: float(text.split("): $")[1].split(" ")[0])  # noqa: E731
     assert 0 < usd(line) < usd(whole_line) / 2, (line, whole_line, report)
+
+
+# ---- planning is linear in the data and keeps the batches of earlier versions --------------------
+
+
+def test_batch_order_gives_the_batches_of_the_old_per_step_shuffle():
+    """Runs recorded before BatchOrder resume identically: same seed, same batches at every step."""
+    import random
+
+    def old_batch_indices(step, n_train, batch_size, per_epoch, seed):  # tinker_sft.py before the shared code
+        epoch, index = divmod(step, per_epoch)
+        order = list(range(n_train))
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+        size = min(batch_size, n_train)
+        return order[index * size:(index + 1) * size]
+
+    for n, batch, epochs, seed in [(10, 3, 3, 1), (37, 8, 2, 0), (5, 8, 4, 7), (1000, 32, 2, 42)]:
+        per_epoch, total = sft.plan_steps(n, batch, epochs, None)
+        order = sft.BatchOrder(n, batch, per_epoch, seed)
+        assert [order(s) for s in range(total)] == [old_batch_indices(s, n, batch, per_epoch, seed)
+                                                   for s in range(total)]
+        # a resumed process starts mid-epoch with a fresh BatchOrder: same batches
+        assert sft.BatchOrder(n, batch, per_epoch, seed)(total - 1) == order(total - 1)
+
+
+# ---- numeric flags: one check for the dry run and the real run (issue 13) ------------------------
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--learning-rate", "nan", "expected a finite number"),
+    ("--learning-rate", "0", "expected a value in (0, inf]"),
+    ("--learning-rate", "-1e-4", "expected a value in (0, inf]"),
+    ("--learning-rate", "inf", "expected a finite number"),
+    ("--max-steps", "0", "expected a value in [1, inf]"),
+    ("--max-steps", "-3", "expected a value in [1, inf]"),
+    ("--max-usd", "nan", "expected a finite number"),
+    ("--max-usd", "-1", "expected a value in [0, inf]"),
+    ("--batch-size", "0", "expected a value in [1, inf]"),
+    ("--epochs", "0", "expected a value in [1, inf]"),
+    ("--lora-rank", "0", "expected a value in [1, inf]"),
+    ("--test-fraction", "1", "expected a value in [0, 1)"),
+    ("--warmup-steps", "-1", "expected a value in [0, inf]"),
+    ("--max-tokens", "0", "expected a value in [1, inf]"),
+])
+@pytest.mark.parametrize("mode", ["--dry-run", "real"])
+def test_bad_numbers_exit_2_in_dry_run_and_real_run_alike(tmp_path, flag, value, expected, mode):
+    log = tmp_path / "log"
+    extra = [mode] if mode == "--dry-run" else []
+    out = run("--data", str(EXAMPLE), "--log-path", str(log), f"{flag}={value}", *extra,
+              env={"TINKER_API_KEY": "", "TINKER_BASE_URL": "http://127.0.0.1:9"})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"error: {flag} ") and out.stderr.strip().endswith(expected)
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""
+    assert not log.exists()
+
+
+# ---- the script copied alone into an empty folder (issue 12) --------------------------------------
+
+
+def test_copied_alone_help_and_dry_run_work_with_nothing_beside_it(tmp_path, qwen3_path):
+    import shutil
+
+    alone = tmp_path / "empty"
+    alone.mkdir()
+    shutil.copy(SCRIPT, alone / "tinker_sft.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": "", "TINKER_API_KEY": ""}
+    helped = subprocess.run([sys.executable, "tinker_sft.py", "--help"], capture_output=True, text=True,
+                            cwd=alone, env=env, timeout=120)
+    assert helped.returncode == 0 and "--rehearse" in helped.stdout and "--eval-every" in helped.stdout
+    dry = subprocess.run([sys.executable, "tinker_sft.py", "--dry-run", "--tokenizer", qwen3_path],
+                         capture_output=True, text=True, cwd=alone, env=env, timeout=300)
+    assert dry.returncode == 0, dry.stderr
+    report = json.loads(dry.stdout)
+    assert report["status"] == "dry_run" and report["examples"]["train"] == len(sft.REHEARSAL_TRAIN)
+    assert report["cost"] is None and "built-in rehearsal set" in dry.stderr
+    assert sorted(p.name for p in alone.iterdir()) == ["runs", "tinker_sft.py"]
+    assert [p.name for p in (alone / "runs" / "sft").iterdir()] == ["datums.jsonl"]
+
+
+def test_a_real_run_without_data_names_the_flag_instead_of_training_the_toy_set(tmp_path):
+    out = run("--log-path", str(tmp_path / "log"), env={"TINKER_API_KEY": ""})
+    assert out.returncode == 2 and "no training data: pass --data" in out.stderr and "--rehearse" in out.stderr

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -82,12 +83,13 @@ def test_both_checkpoints_exist_and_the_sampler_checkpoint_samples(full_run, loc
     # the state path restores the trained weights: the held-out NLL recomputed on it is nll_after
     args = sft.parse_args(["--data", str(EXAMPLE), "--log-path", str(log)])
     tokenizer = sft.load_tokenizer(str(local_tinker.tokenizer_dir))
-    train, test = sft.split_examples(sft.normalise_items(sft.load_dataset(args.data), None), None, args)
+    train, test = sft.split_examples(sft.normalise_items(sft.load_dataset(args.data), None), None,
+                                     args.test_fraction, args.seed)
     test_rendered = [r for _, r in sft.render_all(test, tokenizer, report["format"], args.train_on)]
     service = tinker.ServiceClient(base_url=local_tinker.base_url, api_key=local_tinker.env["TINKER_API_KEY"])
     try:
         restored = service.create_training_client_from_state(report["state_path"]).result()
-        forward = sft.submit_held_out(restored, test_rendered).result()
+        forward = sft.held_out_forward(restored, SimpleNamespace(test=test_rendered)).result()
         nll = sft.batch_nll(forward, [sft.trained_mask(r) for r in test_rendered])
         assert nll == pytest.approx(report["eval"]["nll_after"], abs=1e-4)
     finally:

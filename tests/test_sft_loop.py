@@ -27,11 +27,29 @@ class Logprobs(list):
         return list(self)
 
 
+class RecordingSampler:
+    """Greedy sampling stand-in: answers every prompt with `answer` (token ids) + the Qwen3 stop token."""
+
+    def __init__(self, answer):
+        self.answer, self.prompts = answer, []
+
+    def sample(self, prompt, num_samples, params):
+        self.prompts.append(prompt.to_ints())
+        seq = SimpleNamespace(tokens=[*self.answer, 151645])
+        return SimpleNamespace(result=lambda: SimpleNamespace(sequences=[seq]))
+
+
+def digits(text):
+    """Qwen3 token ids of a short number: one token per digit."""
+    return [15 + int(c) for c in text]  # "0" is id 15 in the Qwen3 vocabulary
+
+
 class RecordingTrainingClient:
-    """Answers at once; records every submission and every wait in one event list."""
+    """Answers at once; records every submission and every wait in one event list. Its samplers answer
+    with the number of optim steps submitted before them, so a score shows which weights were sampled."""
 
     def __init__(self, events, origin):
-        self.events, self.origin, self.batches, self.n = events, origin, [], 0
+        self.events, self.origin, self.batches, self.n, self.optim_steps = events, origin, [], 0, 0
 
     def _label(self, kind):
         self.n += 1
@@ -56,6 +74,7 @@ class RecordingTrainingClient:
         return Future(self.events, label, self._output(data))
 
     def optim_step(self, params):
+        self.optim_steps += 1
         label = self._label("optim")
         self.events.append(("submit", label, params.learning_rate, params.eps))
         return Future(self.events, label, SimpleNamespace(metrics=None))
@@ -64,6 +83,11 @@ class RecordingTrainingClient:
         label = self._label("save_state")
         self.events.append(("submit", label, name, ttl_seconds))
         return Future(self.events, label, SimpleNamespace(path=f"tinker://{self.origin}/weights/{name}"))
+
+    def save_weights_and_get_sampling_client(self):
+        label = self._label("sampler")
+        self.events.append(("submit", label))
+        return Future(self.events, label, RecordingSampler(digits(str(self.optim_steps))))
 
     def save_weights_for_sampler(self, name, ttl_seconds=None):
         label = self._label("save_sampler")
@@ -89,6 +113,10 @@ class RecordingService:
     def create_training_client_from_state(self, path):
         return self._client("init", path)
 
+    def create_sampling_client(self, base_model=None, model_path=None):
+        steps = self.created[-1][2].optim_steps if model_path else 0
+        return SimpleNamespace(result=lambda: RecordingSampler(digits(str(steps))))
+
     def close(self, status):
         return SimpleNamespace(result=lambda: None)
 
@@ -100,7 +128,7 @@ def offline_main(monkeypatch, offline_tokenizer):
 
     def run(log, *flags):
         service = RecordingService()
-        monkeypatch.setattr(sft, "connect", lambda args: (service, 4096))
+        monkeypatch.setattr(sft, "connect", lambda model_name, **_: (service, 4096))
         code = sft.main(["--data", str(EXAMPLE), "--tokenizer", tokenizer, "--batch-size", "4", "--max-steps", "4",
                          "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-3", "--num-probes", "0",
                          "--log-path", str(log), *flags])
@@ -197,3 +225,42 @@ def test_resume_of_a_finished_run_reports_it_without_training(offline_main, tmp_
     assert code == 0 and service.created == []
     report = json.loads(capsys.readouterr().out)
     assert report["status"] == "complete" and report["state_path"] == "tinker://run0/weights/final"
+
+
+def test_eval_every_scores_held_out_samples_at_the_right_steps(offline_main, tmp_path, monkeypatch, capsys,
+                                                              offline_tokenizer):
+    tok = sft.load_tokenizer(offline_tokenizer("Qwen3-8B"))
+    assert tok.encode("0123456789") == digits("0123456789")
+    seen = []
+    monkeypatch.setattr(sft, "score", lambda example, completion: seen.append(completion) or float(completion == "4"))
+    code, service = offline_main(tmp_path / "log", "--max-steps", "6", "--save-every", "0", "--eval-samples", "2")
+    assert code == 0
+    log = tmp_path / "log"
+    evals = rows(log / "eval.jsonl")
+    # before (base model), after 2 and 4 steps, after the last step; each scores the same 2 held-out prompts
+    assert [(r["when"], r["step"], r["scored"], r["score"]) for r in evals] == [
+        ("before", 0, 2, 0.0), ("during", 2, 2, 0.0), ("during", 4, 2, 1.0), ("after", 6, 2, 0.0)]
+    assert seen == ["0", "0", "2", "2", "4", "4", "6", "6"]  # each sampler saw the weights of its step
+    assert [s["line"] for s in evals[1]["samples"]] == [s["line"] for s in evals[0]["samples"]]
+    # the eval lands in the metrics row of its step, and nowhere else
+    metrics = rows(log / "metrics.jsonl")
+    assert [(m["step"], m.get("eval_score")) for m in metrics] == [
+        (1, None), (2, 0.0), (3, None), (4, 1.0), (5, None), (6, None)]
+    assert metrics[1]["eval_nll"] == pytest.approx(1.5)
+    # the sampler for step 2 is saved after step 2's optim_step and before step 3 is queued
+    order = submitted(service.events)
+    fbs = [label for label in order if label.startswith("fb")]
+    samplers = [label for label in order if label.startswith("sampler")]
+    assert order.index(fbs[1]) < order.index(samplers[0]) < order.index(fbs[2])
+    assert order.index(fbs[3]) < order.index(samplers[1]) < order.index(fbs[4])
+    report = json.loads(capsys.readouterr().out)
+    assert [(s["when"], s["step"], s["score"]) for s in report["score"]] == [
+        ("before", 0, 0.0), ("during", 2, 0.0), ("during", 4, 1.0), ("after", 6, 0.0)]
+
+
+def test_a_refused_budget_leaves_the_previous_run_byte_identical(offline_main, tmp_path, capsys):
+    offline_main(tmp_path / "log")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "log").iterdir()}
+    with pytest.raises(sft.BudgetError, match="exceeds --max-usd"):
+        offline_main(tmp_path / "log", "--overwrite", "--max-usd", "0.000001")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "log").iterdir()} == before
