@@ -156,13 +156,20 @@ def main(argv=None) -> int:
         audit = write_audit(run, pairs, tokenizer)
         say(f"dry run: {len(pairs)} pairs rendered, masks checked; audit in {audit}")
         emit({"status": "dry_run", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
-              "per_epoch": per_epoch, "limit": limit, "longest": max(len(p.chosen.tokens) for p in pairs) if pairs
-              else 0, "tokens": tokens, "usd": est and est["usd"]["total"], "datums": str(audit), "format": fmt})
+              "per_epoch": per_epoch, "limit": limit, "longest": longest_sequence(pairs), "tokens": tokens,
+              "usd": est and est["usd"]["total"], "datums": str(audit), "format": fmt})
         return EXIT_OK
 
+    if start >= total_steps:
+        say(f"nothing to do: the run in {run.path} already finished its {total_steps} steps")
+        final = run.checkpoints()[-1]
+        emit({"status": "ok", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
+              "state_path": final["state_path"], "sampler_path": final.get("sampler_path"), "tokens": tokens,
+              "usd": 0.0, "format": fmt})
+        return EXIT_OK
     est = estimate(args.model_name, tokens, args.max_usd, label=label)  # before any file changes or paid call
     service, context = connect(args.model_name)
-    if context and max(max(len(p.chosen.tokens), len(p.rejected.tokens)) for p in pairs) > context:
+    if context and longest_sequence(pairs) > context:
         raise DataError(f"a pair is longer than {args.model_name}'s context window {context}; pass "
                         f"--max-length {context} --drop-long")
     if resume_from:
@@ -182,7 +189,6 @@ def main(argv=None) -> int:
     # ---- the loop: one DPO step per batch of pairs ----
     import tinker
 
-    state_path = sampler_path = None
     first = last = None
     for step in range(start, total_steps):
         t0 = time.time()
@@ -204,11 +210,8 @@ def main(argv=None) -> int:
             f"kl {row['implicit_kl']:.2e} | lr {lr:.1e} | {row['seconds']:.1f}s")
         done = step + 1
         if done < total_steps and args.save_every and done % args.save_every == 0:
-            state_path, _ = save(tc, run, f"{done:06d}", done, per_epoch, fmt, final=False)
-    if start < total_steps or not run.checkpoints():
-        state_path, sampler_path = save(tc, run, "final", total_steps, per_epoch, fmt, final=True)
-    else:
-        state_path, sampler_path = resume_from["state_path"], resume_from.get("sampler_path")
+            save(tc, run, f"{done:06d}", done, per_epoch, fmt, final=False)
+    state_path, sampler_path = save(tc, run, "final", total_steps, per_epoch, fmt, final=True)
     service.close("success").result()
     emit({"status": "ok", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
           "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
@@ -366,6 +369,10 @@ def render_pairs(raw_pairs, tokenizer, fmt, limit, *, drop_long=False) -> list[P
     if not out:
         raise DataError(f"no pairs left to train on (all {dropped} over {limit} tokens)")
     return out
+
+
+def longest_sequence(pairs) -> int:
+    return max(max(len(p.chosen.tokens), len(p.rejected.tokens)) for p in pairs)
 
 
 def pairs_digest(pairs) -> str:
