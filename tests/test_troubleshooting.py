@@ -152,6 +152,17 @@ def test_stuck_sampling_text_is_the_sdks_with_its_default_timeout():
     check(msg.replace("0.2s", f"{default}s"), "No progress made in 7200s. Requests appear to be stuck.")
 
 
+@proves("apply_chat_template requires jinja2 to be installed")
+def test_a_chat_template_render_without_jinja2_fails_with_the_quoted_text(monkeypatch):
+    from transformers.utils import chat_template_utils
+
+    monkeypatch.setattr(chat_template_utils, "is_jinja_available", lambda: False)
+    template = "{{ messages[0]['content'] }} without jinja2 " + str(os.getpid())  # not in the compile cache
+    msg = raised(lambda: chat_template_utils._compile_jinja_template(template))
+    assert msg.startswith("ImportError: ")
+    check(msg, "apply_chat_template requires jinja2 to be installed")
+
+
 def jwt(exp: float) -> str:
     import base64
     import json
