@@ -1143,3 +1143,30 @@ def test_merge_precision_is_stated_per_dtype_and_matches_what_the_tests_merge():
     e2e = (ROOT / "tests" / "test_infer_e2e.py").read_text(encoding="utf-8")
     assert '"--dtype", "float32"' in e2e  # the test's figure is the float32 row's
     assert "also what `tests/test_infer_e2e.py` merges" in text
+
+
+# --------------------------------------------------------------------------- vision.md
+
+def test_vision_table_lists_exactly_the_catalogues_vision_models():
+    text = (REFERENCES / "vision.md").read_text(encoding="utf-8")
+    section = text[text.index("## Which models take images"):text.index("## An image is an")]
+    named = set(TINKER_ID.findall(section))
+    vision = {row["id"] for row in catalogue().values()
+              if "Vision" in (row.get("type") or "") and row["id"].count(":") == 0}
+    assert named == vision, (sorted(named - vision), sorted(vision - named))
+
+
+def test_vision_placeholder_render_is_what_the_qwen35_template_writes(offline_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_tokenizer("Qwen3.5-4B"))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    first_turn = rendered[:rendered.index("<|im_end|>") + len("<|im_end|>")] + "\n"
+    text = (REFERENCES / "vision.md").read_text(encoding="utf-8")
+    assert first_turn.replace("\n", "\\n") in text
+    ids = tok.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    assert ids == [248053, 248056, 248054]
+    for i in ids:
+        assert str(i) in text
+    assert tok.apply_chat_template(messages, tokenize=True, return_dict=False).count(248056) == 1
