@@ -18,18 +18,20 @@ Run:
     uv run tinker_rl.py --env calculator --log-path runs/rl-calc --iterations 20 --max-usd 5
 
 Edit:
-    The block marked `# ==== EDIT ME ====` below the settings: TASKS, render_prompt(task) (a list of
-    chat messages, or a str for a base model), reward(task, completion) -> float. For a multi-turn
-    agent, also env_step(task, conversation, model_turn, rng) -> (observation, reward, done): it gets
-    the model's turn and returns the next message (a tool result or a user reply), a reward, and
-    whether the episode ended. The calculator example (--env calculator) shows all of it.
+    The block marked `# ==== EDIT ME ====` below the settings: TASKS, render_prompt(task) (chat
+    messages, or a str for a base model), reward(task, completion) -> float and, for a multi-turn agent,
+    env_step(task, conversation, model_turn, rng) -> (observation, reward, done[, info]). Each may be a
+    plain function (run in a thread pool of --env-workers) or an `async def` (awaited). The calculator
+    example (--env calculator, below the training loop) shows a multi-turn tool-use environment.
 
 Outputs:
     LOG/config.json       every setting (never the API key) and the "format" prompts are rendered with
     LOG/metrics.jsonl     one row per iteration: reward mean/std/min/max, fraction of groups tied,
-                          fraction truncated, tokens sampled/trained, loss_fn, loss, sampler/learner KL,
-                          seconds sampling/training, the per-group seeds
+                          fraction truncated, tokens sampled/trained, loss, sampler/learner KL, seconds,
+                          sampling retries, the tasks and per-group seeds
     LOG/checkpoints.jsonl one row per save: name, step, next_iteration, epoch, state_path, sampler_path, format
+    LOG/rollouts.jsonl    one row per rollout (every --trace-every iterations): tokens, sampler logprobs,
+                          reward, advantage, trained or not, per-turn observation/action spans
     stdout                one JSON object: status, log_path, iterations, state_path, sampler_path,
                           reward {first, last}, format
 
@@ -39,28 +41,26 @@ Requires:
 
 Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (tasks, reward, flags, unknown
 model, prompt over the context window, every group tied on the base policy, a loss the server
-rejects), 3 cost estimate above --max-usd, 4 no credentials or Tinker unreachable, 130 interrupted
-(resume with --resume).
+rejects, --resume with other settings), 3 cost estimate above --max-usd, 4 no credentials or Tinker
+unreachable, 130 interrupted / 143 terminated (resume with --resume).
 
 The recipe: per iteration, snapshot the weights into a sampling client; sample --group-size
-completions of every task with every group in flight at once; advantage = reward - group mean
+completions of every task, at most --max-in-flight requests at once; advantage = reward - group mean
 (Dr. GRPO, no std unless --normalize-std); groups whose rewards all tie carry no signal and are
 skipped; one datum per episode (turns that extend the previous context merge), advantages zero on
 prompt and observation tokens; forward_backward(--loss-fn) and optim_step submitted back to back.
-Truncated turns (stop_reason "length", --max-tokens applies per turn): --on-truncation end (default)
-ends the episode and scores the cut text as it is; continue closes the turn with the end-of-turn
-token and lets the environment answer. Both are counted in frac_truncated.
 """
-
 from __future__ import annotations
 
 import argparse
 import ast
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hashlib
-import importlib
+import inspect
 import json
 import math
 import operator
@@ -69,10 +69,8 @@ import random
 import re
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-SCRIPT_DIR = Path(__file__).resolve().parent
+# ==== SETTINGS ====
 LOSS_FNS = ("importance_sampling", "ppo", "cispo", "dro")
 # Clip thresholds are absolute bounds on the ratio p_learner / p_sampler (tinker docs, cookbook).
 DEFAULT_LOSS_CONFIG = {
@@ -83,18 +81,22 @@ DEFAULT_LOSS_CONFIG = {
 }
 # Models that always think before answering: their turns need room (4096 tokens unless --max-tokens).
 REASONING_MODELS = ("gpt-oss", "Kimi-K2-Thinking", "GLM-5", "Qwen3.8", "DeepSeek-V4", "Inkling")
-FROZEN_DATE = "2024-07-26"  # same rendering on every day (as tinker_sft.py), so resume is exact
-FROZEN_DATE_STRING = "26 Jul 2024"
-PERIODIC_TTL_SECONDS = 7 * 24 * 3600
+# 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
+# hosted Tinker answers 429 when one client sends ~1,000 at once.
+MAX_IN_FLIGHT = 64
+SAMPLE_RETRIES, RETRY_BASE_S, RETRY_MAX_S = 6, 0.5, 30.0
+# A resumed run must match these settings (and the format); config.json keeps the original ones.
+RESUME_KEYS = ("env", "model_name", "lora_rank", "learning_rate", "loss_fn", "loss_fn_config", "batch_size",
+               "group_size", "max_tokens", "temperature", "max_turns", "on_truncation", "normalize_std",
+               "seed", "tasks_sha256")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="RL with group-relative advantages on Tinker (single-turn or multi-turn tool use).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--env", choices=("single", "calculator"), default="single",
-                   help="which example in the EDIT ME block: single-turn tasks or the multi-turn calculator")
+                   help="single: the EDIT ME tasks; calculator: the multi-turn tool-use example")
     p.add_argument("--model-name", default="Qwen/Qwen3-8B")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     p.add_argument("--lora-rank", type=int, default=32)
@@ -102,8 +104,7 @@ def parse_args(argv=None):
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8, help="tasks (groups) per iteration")
     p.add_argument("--group-size", type=int, default=4, help="samples per task; advantages compare them")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="per turn; default 256, or 4096 for reasoning models")
+    p.add_argument("--max-tokens", type=int, default=None, help="per turn; default 256, 4096 for reasoning models")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-turns", type=int, default=4, help="model turns per episode (multi-turn envs)")
     p.add_argument("--on-truncation", choices=("end", "continue"), default="end",
@@ -113,9 +114,14 @@ def parse_args(argv=None):
     p.add_argument("--clip-high-threshold", type=float, default=None, help="ppo/cispo ratio bound")
     p.add_argument("--dro-beta", type=float, default=None)
     p.add_argument("--normalize-std", action="store_true", help="divide advantages by the group's std")
-    p.add_argument("--context-window", type=int, default=None,
-                   help="override the model's context window (default: asked from Tinker)")
+    p.add_argument("--context-window", type=int, default=None, help="override the model's (asked from Tinker)")
+    p.add_argument("--env-workers", type=int, default=16,
+                   help="threads for plain-function reward()/env_step(); 0 calls them on the event loop, one at a time")
+    p.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT,
+                   help="sampling requests at once, the rest queued (64: the cookbook's eval concurrency)")
     p.add_argument("--save-every", type=int, default=10, help="iterations between save_state; 0 = only final")
+    p.add_argument("--trace-every", type=int, default=1,
+                   help="write rollouts.jsonl rows every N iterations; 0 = no trace")
     p.add_argument("--log-path", default=None, help="default runs/rl-<env>")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-usd", type=float, default=None, help="stop before training if the estimate is above")
@@ -126,9 +132,17 @@ def parse_args(argv=None):
 
 
 # ==== EDIT ME: TASKS, render_prompt(), reward(), env_step() ====
-# Single-turn example (--env single): multiply two numbers in one reply. Qwen3-8B gets some but
-# not all right, so groups disagree and there is a gradient (a task every sample passes, or every
-# sample fails, teaches nothing: the script stops if the base policy ties every group).
+# Single-turn example: multiply two numbers in one reply. Qwen3-8B gets some but not all right, so
+# groups disagree and there is a gradient (a task every sample passes, or every sample fails, teaches
+# nothing: the script stops if the base policy ties every group).
+#
+# Contracts. reward() and env_step() may be plain functions or `async def`:
+#   - plain: run in a thread pool of --env-workers threads, so a slow one (a sandbox, a judge model,
+#     a web call) does not hold up the other episodes; it must be thread-safe (or use --env-workers 0:
+#     one call at a time on the event loop, which blocks every other episode while it runs).
+#   - async def: awaited on the event loop; it must not block (await your I/O).
+# Either way: never raise on garbage text (score it low instead), return finite floats, and be
+# deterministic given `rng` so every sample of a group meets the same environment.
 
 _task_rng = random.Random(1234)
 TASKS = [{"a": a, "b": b, "answer": a * b}
@@ -142,16 +156,689 @@ def render_prompt(task):
 
 
 def reward(task, completion):
-    """Score one completion (the model's text, end-of-turn token removed) of `task`.
-
-    Contract: return a finite float, higher is better; only differences inside a group matter.
-    Must not raise on garbage text: score it low instead. Called once per sample.
-    """
+    """Score one completion (the model's text, end-of-turn token removed) of `task`: a finite float,
+    higher is better; only differences inside a group matter. Called once per single-turn sample."""
     numbers = re.findall(r"-?\d[\d,]*", completion)
     return 1.0 if numbers and numbers[-1].replace(",", "") == str(task["answer"]) else 0.0
 
 
-# Multi-turn example (--env calculator): the model may call a calculator tool, reads the result,
+# Multi-turn: env_step(task, conversation, model_turn, rng) -> (observation, reward, done[, info]).
+# conversation: the messages so far without this turn; model_turn: this turn's text; rng: a
+# random.Random seeded per group. observation: the next message ({"role": "tool"|"user", "content"}) or
+# None when done; reward is added to the episode's total; info (optional): numbers summed into metrics
+# as env/<key>. None here means single-turn: reward() scores the one reply. See calculator_env_step().
+env_step = None
+
+# ==== END OF EDIT ME ====
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_settings(args)
+    job = prepare(args)
+    if args.dry_run:
+        return dry_run(args, job)
+
+    run = Run(args.log_path, extra_files=("rollouts.jsonl",))
+    check_writable_dir(args.log_path, "--log-path")
+    resume_row = run.resume_point(resume=args.resume, overwrite=args.overwrite)
+    check_context(args, job, args.context_window)
+    service, context_window = connect(args.model_name)
+    context_window = args.context_window or context_window
+    check_context(args, job, context_window)
+    config = run_config(args, job, context_window)
+    if resume_row:
+        run.check_resume(config, RESUME_KEYS)
+    start = resume_row["next_iteration"] if resume_row else 0
+    estimate_cost(args, job, context_window, start)  # exit 3 here leaves the folder as it was
+    if resume_row:  # rows past the checkpoint will be produced again
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            run.rewind(name, lambda row: row.get("iteration", -1) < start)
+        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
+        say(f"resumed from {resume_row['state_path']} at iteration {start}")
+    else:
+        run.begin(config)
+        tc = service.create_lora_training_client(base_model=args.model_name, rank=args.lora_rank,
+                                                 seed=args.seed).result()
+    ro = Rollouts(job, args, context_window)
+    rewards_seen = [r["reward_mean"] for r in run.rows("metrics.jsonl")]
+
+    with ro.pools():
+        for it in range(start, args.iterations):
+            t0 = time.time()
+            sampler = tc.save_weights_and_get_sampling_client().result()
+            task_indices = batch_tasks(it, len(job.tasks), args.batch_size, args.seed)
+            seeds = [group_seed(args.seed, it, slot) for slot in range(len(task_indices))]
+            t1 = time.time()
+            groups = asyncio.run(ro.batch(sampler, task_indices, seeds))
+            t2 = time.time()
+            batch = build_batch(groups, args.normalize_std)
+            if it == 0 and batch.tied == len(groups):
+                raise DataError(tied_message(groups))
+            fb_metrics = {}
+            if batch.datums:
+                result = train_step(tc, batch.datums, args.loss_fn, job.loss_config, args.learning_rate,
+                                    on_error=lambda e: training_failure(e, args, run, it, start))
+                fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
+                              **kl_metrics(batch.datums, batch.masks, result.loss_fn_outputs)}
+            t3 = time.time()
+            row = iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds,
+                                seconds={"sampler_weights": t1 - t0, "sampling": t2 - t1, "training": t3 - t2},
+                                retries=ro.take_retries())
+            run.append("metrics.jsonl", row)
+            if args.trace_every and it % args.trace_every == 0:
+                for trace_row in rollout_rows(it, groups, batch, job.tokenizer, job.fmt):
+                    run.append("rollouts.jsonl", trace_row)
+            rewards_seen.append(row["reward_mean"])
+            say(progress_line(it, args.iterations, row))
+            done = it + 1
+            if args.save_every and done % args.save_every == 0 and done < args.iterations:
+                save(tc, run, f"{done:06d}", done, done * args.batch_size // len(job.tasks), job.fmt)
+
+    if start < args.iterations or resume_row.get("name") != "final":
+        final = save(tc, run, "final", args.iterations, args.iterations * args.batch_size // len(job.tasks),
+                     job.fmt, final=True)
+    else:
+        final = resume_row
+    emit({"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
+          "state_path": final["state_path"], "sampler_path": final["sampler_path"],
+          "reward": {"first": rewards_seen[0] if rewards_seen else None,
+                     "last": rewards_seen[-1] if rewards_seen else None},
+          "loss_fn": args.loss_fn, "format": job.fmt,
+          "sampling": {"model_path": final["sampler_path"], "stop": job.fmt["stop"],
+                       "hint": f"python tinker_infer.py --run {run.path}"}})
+    return 0
+
+
+def train_step(training_client, datums, loss_fn, config, learning_rate, on_error=None):
+    """forward_backward with the chosen loss and its config, optim_step submitted right behind it."""
+    import tinker
+
+    try:
+        fb = training_client.forward_backward(datums, loss_fn=loss_fn, loss_fn_config=config)
+        step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **ADAM))
+        result = fb.result()
+        step.result()
+    except Exception as e:
+        if on_error is None:
+            raise
+        raise on_error(e) from None
+    return result
+
+
+def dry_run(args, job):
+    """Everything that can be checked without Tinker: prompts, context, the reward's contract, the cost."""
+    check_context(args, job, args.context_window)
+    say("first prompt as the sampler sees it:\n" + job.tokenizer.decode(job.prompts[0]))
+    if job.env["env_step"] is None and not inspect.iscoroutinefunction(job.env["reward"]):
+        for i, task in enumerate(job.tasks):  # the reward must hold its contract before money is spent
+            checked_reward(call_user_code(job.env["reward"], task_label(job.tasks, i), task, ""),
+                           task_label(job.tasks, i))
+    est = estimate_cost(args, job, args.context_window)
+    lengths = [len(p) for p in job.prompts]
+    emit({"status": "dry_run", "tasks": len(job.tasks), "env": args.env,
+          "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
+          "max_tokens": args.max_tokens, "loss_fn": args.loss_fn, "loss_fn_config": job.loss_config,
+          "estimate_usd": (est or {}).get("usd", {}).get("total") if est else None, "format": job.fmt})
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings, tasks and format
+
+
+def check_settings(args):
+    """Every flag checked the same way for --dry-run and a real run, before any file or paid call."""
+    check_numbers(args, {
+        "learning_rate": dict(low=0, low_open=True), "max_usd": dict(low=0), "iterations": dict(low=1),
+        "batch_size": dict(low=1), "lora_rank": dict(low=1), "max_tokens": dict(low=1),
+        "temperature": dict(low=0, low_open=True), "max_turns": dict(low=1), "save_every": dict(low=0),
+        "context_window": dict(low=1), "clip_low_threshold": dict(low=0), "clip_high_threshold": dict(low=0),
+        "dro_beta": dict(low=0, low_open=True), "env_workers": dict(low=0), "max_in_flight": dict(low=1),
+        "trace_every": dict(low=0)})
+    if args.group_size < 2:
+        raise DataError(f"--group-size {args.group_size}: the advantage compares samples of one task, "
+                        "so at least 2 are needed (4 is a good start)")
+    if args.resume and args.overwrite:
+        raise DataError("--resume and --overwrite contradict each other; pick one")
+    if args.max_tokens is None:
+        args.max_tokens = 4096 if any(m.lower() in args.model_name.lower() for m in REASONING_MODELS) else 256
+    if args.log_path is None:
+        args.log_path = f"runs/rl-{args.env}"
+    loss_fn_config(args)  # flag combinations, checked here so the dry run refuses them too
+
+
+def loss_fn_config(args):
+    """The loss_fn_config sent with forward_backward: defaults per loss, overridden by the flags."""
+    config = DEFAULT_LOSS_CONFIG[args.loss_fn]
+    config = dict(config) if config else None
+    if args.loss_fn in ("ppo", "cispo"):
+        for key in ("clip_low_threshold", "clip_high_threshold"):
+            if getattr(args, key) is not None:
+                config[key] = getattr(args, key)
+    elif args.clip_low_threshold is not None or args.clip_high_threshold is not None:
+        raise DataError(f"--clip-*-threshold applies to --loss-fn ppo or cispo, not {args.loss_fn}")
+    if args.dro_beta is not None:
+        if args.loss_fn != "dro":
+            raise DataError(f"--dro-beta applies to --loss-fn dro, not {args.loss_fn}")
+        config["beta"] = args.dro_beta
+    return config
+
+
+@dataclasses.dataclass
+class Job:
+    """What the settings and the EDIT ME block resolve to: the example, its tasks, the rendering."""
+
+    env: dict  # tasks, render_prompt, reward, env_step (None: single-turn), tools
+    tasks: list
+    tokenizer: object
+    fmt: dict
+    prompts: list  # rendered first-prompt token ids, one per task
+    loss_config: dict | None
+    tasks_sha256: str
+
+
+def prepare(args) -> Job:
+    """Tasks, tokenizer, format and rendered prompts; everything checked that can be without Tinker."""
+    env = load_env(args.env)
+    tasks = list(env["tasks"])
+    if not tasks:
+        raise DataError(f"the task list of --env {args.env} is empty; fill TASKS in the EDIT ME block")
+    tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
+    tokenizer = load_tokenizer(tokenizer_name)
+    messages = []
+    for i, task in enumerate(tasks):
+        messages.append(call_user_code(env["render_prompt"], task_label(tasks, i), task))
+    is_chat = [isinstance(m, list) and bool(m) and all(isinstance(x, dict) and "role" in x for x in m)
+               for m in messages]
+    if all(isinstance(m, str) for m in messages) and not tokenizer.chat_template:
+        fmt = raw_format(tokenizer, name=tokenizer_name)
+    elif all(is_chat):
+        if not tokenizer.chat_template:
+            raise DataError(f"tokenizer {tokenizer_name!r} has no chat template; render_prompt() must return "
+                            "a str for this model")
+        fmt = chat_format(tokenizer, name=tokenizer_name)
+    else:
+        bad = next(i for i, ok in enumerate(is_chat) if not ok)
+        raise DataError(f"render_prompt() returned {type(messages[bad]).__name__} for {task_label(tasks, bad)}; "
+                        "expected a list of {'role', 'content'} messages for every task (or a str for every "
+                        "task with a base model)")
+    if env["env_step"] is not None and fmt["kind"] != "chat":
+        raise DataError("a multi-turn environment needs a chat template to render observations")
+    prompts = [generation_prompt(m, tokenizer, fmt, tools=env["tools"]) for m in messages]
+    digest = hashlib.sha256(json.dumps(tasks, sort_keys=True, default=str).encode()).hexdigest()
+    lengths = [len(p) for p in prompts]
+    say(f"{len(tasks)} tasks (--env {args.env}), prompts {min(lengths)}-{max(lengths)} tokens, max "
+        f"{args.max_tokens} tokens per turn, up to {args.max_turns if env['env_step'] else 1} turn(s)")
+    return Job(env, tasks, tokenizer, fmt, prompts, loss_fn_config(args), digest)
+
+
+def run_config(args, job, context_window):
+    config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
+    config.update(loss_fn_config=job.loss_config, context_window=context_window, n_tasks=len(job.tasks),
+                  tasks_sha256=job.tasks_sha256, format=job.fmt)
+    return config
+
+
+def check_context(args, job, context_window):
+    if context_window is None:
+        return
+    for i, tokens in enumerate(job.prompts):
+        if len(tokens) >= context_window:
+            raise DataError(f"the prompt of {task_label(job.tasks, i)} is {len(tokens)} tokens, not below the "
+                            f"context window of {context_window}; shorten it in render_prompt()")
+    longest = max(len(t) for t in job.prompts)
+    if longest + args.max_tokens > context_window:
+        say(f"note: longest prompt {longest} + --max-tokens {args.max_tokens} exceeds the context window "
+            f"{context_window}; turns are capped to the room left")
+
+
+def estimate_cost(args, job, context_window, start=0):
+    """Dollar estimate of iterations start..--iterations (what a --resume has left to pay for);
+    completions counted at --max-tokens, an upper bound. BudgetError above --max-usd."""
+    pricing = load_pricing()
+    turns = args.max_turns if job.env["env_step"] else 1
+    remaining = max(0, args.iterations - start)
+    avg_prompt = sum(map(len, job.prompts)) / len(job.prompts)
+    tokens = (pricing.rl_tokens(remaining, args.batch_size, args.group_size, avg_prompt, args.max_tokens,
+                                turns=turns, avg_observation=64 if turns > 1 else 0) if pricing else {})
+    label = "rl" if not start else f"rl, remaining {remaining} of {args.iterations} iterations after --resume"
+    return estimate(args.model_name, tokens, args.max_usd, label=label, context=context_window)
+
+
+def task_label(tasks, index):
+    text = json.dumps(tasks[index], default=str)
+    return f"task {index} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def tied_message(groups):
+    rewards = sorted({e.reward for g in groups for e in g.episodes})
+    return (f"the base policy ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
+            "no gradient. Make the tasks easier (reward floor) or harder (ceiling), give partial credit in "
+            "reward(), or raise --group-size / --temperature; nothing was trained")
+
+
+def training_failure(e, args, run, it, start):
+    """The ScriptError a failed forward_backward/optim_step ends the run with."""
+    rows = run.checkpoints()
+    where = f"the last checkpoint is {rows[-1]['state_path']}" if rows else "no checkpoint was saved yet"
+    status = getattr(e, "status_code", None)
+    text = one_line(getattr(e, "message", None) or e, 200)
+    described = f"{type(e).__name__}{f' {status}' if status else ''}: {text}"
+    # A rejected loss (dro, gspo) leaves an SDK 0.38 client usable, but the same loss would be rejected
+    # again, so the run stops; a failure mid-run is safer resumed from the last checkpoint.
+    if is_rejection(e) and it == start and args.loss_fn != "importance_sampling":
+        others = "|".join(x for x in LOSS_FNS if x != args.loss_fn)
+        return DataError(f"the server rejected --loss-fn {args.loss_fn} ({described}); the run stops here "
+                         f"({where}). Rerun with --loss-fn {others}")
+    return ScriptError(f"forward_backward/optim_step failed at iteration {it} ({described}); the run stops "
+                       f"here ({where}); rerun with --resume")
+
+
+def is_rejection(e):
+    """A request the server refused as invalid (4xx, or a failed request of category user)."""
+    status = getattr(e, "status_code", None)
+    category = str(getattr(e, "category", "")).lower()
+    return (status is not None and 400 <= status < 500) or category.endswith("user")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks per iteration, advantages, datums
+
+
+def batch_tasks(iteration, n_tasks, batch_size, seed):
+    """Task indices of one iteration: epochs of seeded shuffles, so --resume picks the same tasks."""
+    out = []
+    for k in range(iteration * batch_size, (iteration + 1) * batch_size):
+        epoch, pos = divmod(k, n_tasks)
+        order = list(range(n_tasks))
+        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+        out.append(order[pos])
+    return out
+
+
+def group_seed(seed, iteration, slot):
+    """The seed of one group: its sampler calls and its environment rng (the same for every sample)."""
+    return random.Random(f"{seed}-{iteration}-{slot}").randrange(2**31)
+
+
+def advantages(rewards, normalize_std=False):
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if not normalize_std:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(centred))
+    return [c / (std + 1e-6) for c in centred]
+
+
+@dataclasses.dataclass
+class Turn:
+    observation: list[int]  # everything the sampler was given for this turn
+    action: list[int]  # the sampled tokens
+    logprobs: list[float]  # the sampler's logprob of each sampled token
+    stop_reason: str
+
+
+@dataclasses.dataclass
+class Episode:
+    turns: list[Turn]
+    reward: float
+    truncated: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Group:
+    task_index: int
+    seed: int
+    episodes: list[Episode]
+
+
+@dataclasses.dataclass
+class Batch:
+    datums: list  # what forward_backward receives
+    masks: list  # per datum, 1 on sampled (trained) target positions: for the KL metrics
+    tied: int  # groups skipped because every reward was the same
+    advantages: dict  # (group index, sample index) -> advantage, for every episode of an untied group
+
+
+def episode_sequences(turns, advantage):
+    """Unshifted (tokens, sampler logprobs, advantages, mask) per datum of one episode.
+
+    A turn whose observation starts with everything so far extends it: only the new observation
+    tokens are appended (logprob, advantage and mask 0), then the action (sampler logprobs, the
+    episode's advantage, mask 1). A turn that does not extend starts a new datum."""
+    sequences, seq = [], None
+    for turn in turns:
+        if seq is not None and turn.observation[: len(seq[0])] == seq[0]:
+            new = turn.observation[len(seq[0]):]
+        else:
+            if seq is not None:
+                sequences.append(seq)
+            seq, new = ([], [], [], []), turn.observation
+        if len(turn.logprobs) != len(turn.action):
+            raise ScriptError(f"sampler returned {len(turn.logprobs)} logprobs for {len(turn.action)} tokens")
+        tokens, lps, advs, mask = seq
+        tokens += new + turn.action
+        lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
+        advs += [0.0] * len(new) + [float(advantage)] * len(turn.action)
+        mask += [0.0] * len(new) + [1.0] * len(turn.action)
+    if seq is not None:
+        sequences.append(seq)
+    return sequences
+
+
+def rl_datum(tokens, logprobs, advs):
+    """Shift by one: position i predicts token i+1. No `mask` key: prompt and observation positions
+    are out of the loss because their advantage is 0."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(tokens[1:]), "logprobs": list(logprobs[1:]),
+                        "advantages": list(advs[1:])})
+
+
+def build_batch(groups, normalize_std=False) -> Batch:
+    """Datums of every group whose rewards do not all tie (tied groups carry no signal)."""
+    batch = Batch([], [], 0, {})
+    for g, group in enumerate(groups):
+        rewards = [e.reward for e in group.episodes]
+        if max(rewards) - min(rewards) < 1e-9:
+            batch.tied += 1
+            continue
+        for s, (episode, adv) in enumerate(zip(group.episodes, advantages(rewards, normalize_std))):
+            batch.advantages[(g, s)] = adv
+            for tokens, lps, advs, mask in episode_sequences(episode.turns, adv):
+                if len(tokens) < 2 or not any(mask):
+                    continue
+                batch.datums.append(rl_datum(tokens, lps, advs))
+                batch.masks.append(mask[1:])
+    return batch
+
+
+def kl_metrics(datums, masks, outputs):
+    """Sampler vs learner on the sampled tokens: v1 = mean(lp_sampler - lp_learner), v2 = half the mean
+    square (stable training keeps these below about 0.01), entropy = -mean(lp_sampler)."""
+    diffs, sampler_lps = [], []
+    for datum, mask, out in zip(datums, masks, outputs):
+        learner = out["logprobs"].tolist() if hasattr(out["logprobs"], "tolist") else list(out["logprobs"])
+        sampler = datum.loss_fn_inputs["logprobs"].tolist()
+        for m, q, p in zip(mask, sampler, learner):
+            if m:
+                diffs.append(q - p)
+                sampler_lps.append(q)
+    if not diffs:
+        return {}
+    n = len(diffs)
+    return {"kl_sample_train_v1": sum(diffs) / n, "kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / n,
+            "entropy": -sum(sampler_lps) / n}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts: bounded sampling concurrency, environment calls that overlap
+
+
+class Rollouts:
+    """Runs the groups of one iteration: at most --max-in-flight sampling requests at once (the rest
+    wait), a 429 or transient error retried with back-off, plain-function environment code in a thread
+    pool and tokenizer work in its own thread, so the event loop only schedules."""
+
+    def __init__(self, job, args, context_window):
+        self.job, self.args, self.context_window = job, args, context_window
+        self.env_pool = self.token_pool = None
+        self.retries = 0
+
+    @contextlib.contextmanager
+    def pools(self):
+        workers = self.args.env_workers
+        with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="env") as env_pool, \
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as token_pool:
+            self.env_pool = env_pool if workers else None
+            self.token_pool = token_pool if workers else None
+            try:
+                yield self
+            finally:
+                self.env_pool = self.token_pool = None
+
+    def take_retries(self):
+        count, self.retries = self.retries, 0
+        return count
+
+    async def batch(self, sampler, task_indices, seeds):
+        """All groups of one iteration (every group started at once; the semaphore bounds requests)."""
+        self.in_flight = asyncio.Semaphore(self.args.max_in_flight)
+        return list(await asyncio.gather(*(self.group(sampler, t, s) for t, s in zip(task_indices, seeds))))
+
+    async def group(self, sampler, task_index, seed):
+        """One group: the first turn of all its samples in one call, then each episode on its own."""
+        prompt = self.job.prompts[task_index]
+        response = await self.sample(sampler, prompt, self.args.group_size, self.params(len(prompt), seed))
+        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq)
+                                          for i, seq in enumerate(response.sequences)))
+        return Group(task_index, seed, list(episodes))
+
+    async def sample(self, sampler, prompt, n, params):
+        import tinker
+
+        for attempt in range(SAMPLE_RETRIES + 1):
+            async with self.in_flight:
+                try:
+                    return await sampler.sample(prompt=tinker.ModelInput.from_ints(prompt), num_samples=n,
+                                                sampling_params=params)
+                except Exception as e:
+                    if not is_transient(e) or attempt == SAMPLE_RETRIES:
+                        raise
+                    self.retries += 1
+            await asyncio.sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt) * (0.75 + 0.25 * random.random()))
+
+    def params(self, prompt_len, seed):
+        import tinker
+
+        cap = self.args.max_tokens
+        if self.context_window is not None:
+            cap = min(cap, self.context_window - prompt_len)
+        return None if cap <= 0 else tinker.SamplingParams(
+            max_tokens=cap, temperature=self.args.temperature, stop=list(self.job.fmt["stop"]), seed=seed)
+
+    async def off_loop(self, pool, fn, *args):
+        """fn(*args) awaited: a coroutine function directly, a plain one in `pool` (inline without one)."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        if pool is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    async def user_code(self, fn, label, *args):
+        """reward() / env_step(): an exception there is bad input, named by task."""
+        try:
+            return await self.off_loop(self.env_pool, fn, *args)
+        except ScriptError:
+            raise
+        except Exception as e:
+            raise DataError(f"{fn.__name__}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
+
+    async def episode(self, sampler, task_index, seed, index, first):
+        """Continue one episode from its first sampled turn until the environment says done."""
+        job, args = self.job, self.args
+        task, env = job.tasks[task_index], job.env
+        label = task_label(job.tasks, task_index)
+        rng = random.Random(seed)  # the same environment randomness for every sample of the group
+        conversation = list(env["render_prompt"](task)) if env["env_step"] else None
+        observation, sequence = job.prompts[task_index], first
+        turns, total, truncated, info = [], 0.0, False, {}
+        for turn_index in range(args.max_turns):
+            if turn_index > 0:
+                params = self.params(len(observation), seed + 7919 * index + turn_index)
+                if params is None:  # no room left in the context window
+                    truncated = True
+                    break
+                sequence = (await self.sample(sampler, observation, 1, params)).sequences[0]
+            action = list(sequence.tokens)
+            turns.append(Turn(observation, action, list(sequence.logprobs or []), sequence.stop_reason))
+            text = await self.off_loop(self.token_pool, completion_text, job.tokenizer, job.fmt, action)
+            cut = sequence.stop_reason == "length"
+            truncated = truncated or cut
+            if env["env_step"] is None:
+                total += checked_reward(await self.user_code(env["reward"], label, task, text), label)
+                break
+            result = await self.user_code(env["env_step"], label, task, list(conversation), text, rng)
+            if not isinstance(result, tuple) or len(result) not in (3, 4):
+                raise DataError(f"env_step() returned {type(result).__name__} for {label}; expected "
+                                "(observation, reward, done) or (observation, reward, done, info)")
+            message, step_reward, done = result[:3]
+            for key, value in (result[3] if len(result) == 4 and result[3] else {}).items():
+                info[key] = info.get(key, 0) + value
+            total += checked_reward(step_reward, label, "env_step()")
+            if done or message is None or (cut and args.on_truncation == "end"):
+                break
+            message = message if isinstance(message, dict) else {"role": "user", "content": str(message)}
+            conversation += [{"role": "assistant", "content": text}, message]
+            closed = action if action and action[-1] in job.fmt["stop"] else action + job.fmt["stop"][:1]
+            new = await self.off_loop(self.token_pool, observation_tokens, job.tokenizer, job.fmt, message)
+            observation = observation + closed + new
+        return Episode(turns, total, truncated, info)
+
+
+def is_transient(e):
+    """Worth retrying the same request: rate limit (429), timeouts (408), conflicts, 5xx, connection loss."""
+    import tinker
+
+    status = getattr(e, "status_code", None)
+    return (status in (408, 409, 429) or (status is not None and status >= 500)
+            or isinstance(e, (tinker.APIConnectionError, asyncio.TimeoutError))
+            or str(getattr(e, "category", "")).lower().endswith("server"))
+
+
+def checked_reward(value, label, where="reward()"):
+    if isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{where} returned {value!r} for {label}; expected a finite float. Fix it in the "
+                        "EDIT ME block and check with --dry-run")
+    return float(value)
+
+
+def call_user_code(fn, label, *args):
+    """render_prompt() / reward() called outside a rollout; an exception there is bad input."""
+    try:
+        return fn(*args)
+    except ScriptError:
+        raise
+    except Exception as e:
+        raise DataError(f"{fn.__name__}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-turn rendering (RL only): the observation appended after a sampled turn
+
+
+_PROBE = "Zq7PROBEqZ"
+
+
+def render_text(tokenizer, fmt, messages, tools=None, add_generation_prompt=True):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    with _frozen_clock(frozen):
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
+
+
+def observation_tokens(tokenizer, fmt, message):
+    """Tokens that follow a closed model turn: the observation message and the next generation prompt.
+
+    Rendered after a probe assistant turn and cut after its end-of-turn token, so the result appends
+    to the tokens actually sampled (the extension property holds by construction and the episode
+    stays one datum, whatever the template does to earlier turns)."""
+    if isinstance(message, str):
+        message = {"role": "user", "content": message}
+    text = render_text(tokenizer, fmt, [{"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": _PROBE}, message])
+    eot = tokenizer.decode([fmt["stop"][0]])
+    start = text.index(_PROBE) + len(_PROBE)
+    cut = text.index(eot, start) + len(eot)
+    return tokenizer.encode(text[cut:], add_special_tokens=False)
+
+
+def completion_text(tokenizer, fmt, tokens):
+    if tokens and tokens[-1] in fmt["stop"]:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Run record rows: metrics, the rollout trace, checkpoints
+
+
+def iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds, seconds, retries):
+    episodes = [e for g in groups for e in g.episodes]
+    rewards = [e.reward for e in episodes]
+    mean = sum(rewards) / len(rewards)
+    row = {
+        "iteration": it, "step": it, "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        "reward_min": min(rewards), "reward_max": max(rewards),
+        "groups": len(groups), "groups_tied": batch.tied, "frac_groups_tied": batch.tied / len(groups),
+        "episodes": len(episodes), "frac_truncated": sum(e.truncated for e in episodes) / len(episodes),
+        "turns_mean": sum(len(e.turns) for e in episodes) / len(episodes),
+        "tokens_sampled": sum(len(t.action) for e in episodes for t in e.turns),
+        "tokens_trained": sum(d.model_input.length for d in batch.datums), "datums": len(batch.datums),
+        "loss_fn": args.loss_fn, "loss_fn_config": job.loss_config, "learning_rate": args.learning_rate,
+        **fb_metrics, **{f"seconds_{k}": v for k, v in seconds.items()}, "sample_retries": retries,
+        "tasks": task_indices, "group_seeds": seeds,
+    }
+    for key in sorted({k for e in episodes for k in e.info}):
+        row[f"env/{key}"] = sum(e.info.get(key, 0) for e in episodes)
+    return row
+
+
+def progress_line(it, total, row):
+    kl = row.get("kl_sample_train_v1")
+    return (f"iter {it + 1}/{total} | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | "
+            f"tied {row['frac_groups_tied']:.2f} | trunc {row['frac_truncated']:.2f} | "
+            f"loss {row.get('loss_sum') if row.get('loss_sum') is not None else float('nan'):.4g} | "
+            f"kl {kl if kl is not None else float('nan'):.2e} | sample {row['seconds_sampling']:.1f}s | "
+            f"train {row['seconds_training']:.1f}s")
+
+
+def rollout_rows(it, groups, batch, tokenizer, fmt, sampler_version=None):
+    """One rollouts.jsonl row per episode: exactly the tokens and numbers the update used.
+    prompt_tokens + completion_tokens is the episode's sequence (observations included, sampler logprob
+    0 there); each turn's observation_tokens are the tokens added before its action (the whole context
+    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained."""
+    rows = []
+    for g, group in enumerate(groups):
+        for s, episode in enumerate(group.episodes):
+            trained = (g, s) in batch.advantages
+            prompt = episode.turns[0].observation
+            completion, lps, turns, context = [], [], [], list(prompt)
+            for k, turn in enumerate(episode.turns):
+                extends = k > 0 and turn.observation[: len(context)] == context
+                new = turn.observation[len(context):] if extends else ([] if k == 0 else list(turn.observation))
+                turns.append({"observation_tokens": new, "action_tokens": turn.action, "masked": not trained,
+                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason})
+                completion += new + turn.action
+                lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
+                context = (context if extends or k == 0 else []) + new + turn.action
+            rows.append({"iteration": it, "task": group.task_index, "group": g, "sample": s,
+                         "sampler_version": it if sampler_version is None else sampler_version,
+                         "prompt_tokens": prompt, "completion_tokens": completion, "sampler_logprobs": lps,
+                         "reward": episode.reward, "advantage": batch.advantages.get((g, s), 0.0),
+                         "trained": trained, "turns": turns, "prompt_text": tokenizer.decode(prompt),
+                         "completion_text": tokenizer.decode(completion)})
+    return rows
+
+
+def save(tc, run, name, next_iteration, epoch, fmt, final=False):
+    state = tc.save_state(name, ttl_seconds=None if final else PERIODIC_TTL_SECONDS)
+    sampler = tc.save_weights_for_sampler(name) if final else None
+    return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
+                          state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
+                          fmt=fmt, batch=next_iteration, **({"final": True} if final else {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Example environment (--env calculator): the model may call a calculator tool, reads the result,
 # then answers. Episodes end on an answer without a tool call, or after --max-turns.
 
 _calc_rng = random.Random(4321)
@@ -185,16 +872,9 @@ def calculator_reward(task, completion):
 
 
 def calculator_env_step(task, conversation, model_turn, rng):
-    """One environment step after the model's turn.
-
-    Contract: (task, conversation so far without this turn, this turn's text, a random.Random seeded
-    per group) -> (observation, reward, done[, info]). observation is the next message
-    ({"role": "tool" | "user", "content": str}) or None when done; reward is a finite float added to
-    the episode's total; info (optional) is a dict of numbers summed into metrics as env/<key>.
-    Policy for a tool call that does not parse: the tool answers with an error message saying what
-    is expected, the step's reward is 0 and the episode goes on (counted as env/tool_parse_errors).
-    Everything here must be deterministic given `rng`, so it is the same for the whole group.
-    """
+    """One environment step after the model's turn (contract in the EDIT ME block).
+    A tool call that does not parse: the tool answers with an error message saying what is expected,
+    the step's reward is 0 and the episode goes on (counted as env/tool_parse_errors)."""
     calls = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", model_turn, flags=re.S)
     if not calls:
         return None, calculator_reward(task, model_turn), True, {"answers": 1}
@@ -236,94 +916,189 @@ def _safe_eval(expression):
 def load_env(name):
     """The pieces of one example: tasks, render_prompt, reward, env_step (None = single-turn), tools."""
     if name == "calculator":
+        if SIMULATED_USER_TEMPERATURE > 0:
+            say(f"warning: SIMULATED_USER_TEMPERATURE is {SIMULATED_USER_TEMPERATURE}: a simulated user that "
+                "samples differently inside a group adds noise the advantage credits to the policy; use 0, or "
+                "seed it from the rng env_step receives")
         return dict(tasks=CALCULATOR_TASKS, render_prompt=calculator_render_prompt, reward=calculator_reward,
                     env_step=calculator_env_step, tools=CALCULATOR_TOOLS)
-    return dict(tasks=TASKS, render_prompt=render_prompt, reward=reward, env_step=None, tools=None)
-
-# ==== END OF EDIT ME ====
+    return dict(tasks=TASKS, render_prompt=render_prompt, reward=reward, env_step=env_step, tools=None)
 
 
-class RLError(Exception):
-    exit_code = 1
+# ==== SHARED CODE (generated from common/: errors, flags, render, run_record, training, service) ====
+# Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
+# tests/test_shared_code.py fails when this copy differs from its source.
 
 
-class DataError(RLError):
-    """Bad tasks, reward, flags or model: fix the input, rerun."""
-    exit_code = 2
+# ---- common/errors.py ----
+# Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import json
+import signal
+import sys
+
+# 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
+# 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
 
 
-class BudgetError(RLError):
-    exit_code = 3
+class ScriptError(Exception):
+    """A failure explained in one line: what failed, what was expected, the next command."""
+
+    exit_code = EXIT_FAILURE
 
 
-class AccessError(RLError):
-    exit_code = 4
+class DataError(ScriptError):
+    """Bad input or usage: data, flags, paths, unknown model, context overflow."""
+
+    exit_code = EXIT_BAD_INPUT
 
 
-def validate_args(args):
-    if args.group_size < 2:
-        raise DataError(f"--group-size {args.group_size}: the advantage compares samples of one task, "
-                        "so at least 2 are needed (4 is a good start)")
-    for flag in ("iterations", "batch_size", "max_turns", "lora_rank"):
-        if getattr(args, flag) < 1:
-            raise DataError(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise DataError("--max-tokens must be at least 1")
-    if args.save_every < 0:
-        raise DataError("--save-every must be 0 (final only) or more")
-    if not (args.temperature > 0):
-        raise DataError("--temperature must be above 0: RL needs different samples inside a group")
-    if args.resume and args.overwrite:
-        raise DataError("--resume and --overwrite contradict each other; pick one")
-    if args.max_tokens is None:
-        args.max_tokens = 4096 if any(m.lower() in args.model_name.lower() for m in REASONING_MODELS) else 256
-    if args.log_path is None:
-        args.log_path = f"runs/rl-{args.env}"
+class RenderError(DataError):
+    """The chat template cannot produce a faithful datum for this example."""
 
 
-def loss_fn_config(args):
-    """The loss_fn_config sent with forward_backward: defaults per loss, overridden by the flags."""
-    config = DEFAULT_LOSS_CONFIG[args.loss_fn]
-    config = dict(config) if config else None
-    if args.loss_fn in ("ppo", "cispo"):
-        if args.clip_low_threshold is not None:
-            config["clip_low_threshold"] = args.clip_low_threshold
-        if args.clip_high_threshold is not None:
-            config["clip_high_threshold"] = args.clip_high_threshold
-    elif args.clip_low_threshold is not None or args.clip_high_threshold is not None:
-        raise DataError(f"--clip-*-threshold applies to --loss-fn ppo or cispo, not {args.loss_fn}")
-    if args.dro_beta is not None:
-        if args.loss_fn != "dro":
-            raise DataError(f"--dro-beta applies to --loss-fn dro, not {args.loss_fn}")
-        config["beta"] = args.dro_beta
-    return config
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
 
 
-# ---------------------------------------------------------------------------------------------
-# Format: the same rendering rules as tinker_sft.py, so tinker_infer.py --run LOG works. A copy,
-# because each script must run alone.
+class AccessError(ScriptError):
+    """No credentials, credentials refused, or the service cannot be reached."""
+
+    exit_code = EXIT_NO_ACCESS
 
 
-@contextlib.contextmanager
-def _frozen_clock(date_iso):
-    # transformers builds strftime_now() on datetime.now(); freezing its module clock is the only way
-    # to make a template that prints today's date render the same every day.
-    mod = importlib.import_module("transformers.utils.chat_template_utils")
-    real = getattr(mod, "datetime", None)
-    if real is None or not date_iso:
-        yield
-        return
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the script is so `finally` blocks and the run record close cleanly."""
 
-    class FrozenDatetime(real):
-        @classmethod
-        def now(cls, tz=None):
-            return real.fromisoformat(date_iso)
 
-    mod.datetime = FrozenDatetime
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def say(*parts) -> None:
+    """Progress and warnings: stderr, so stdout carries only the final JSON object."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def emit(obj: dict) -> None:
+    """The one JSON object a script prints on stdout."""
+    print(json.dumps(obj), flush=True)
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:limit]
+
+
+RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+
+def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
+    """Run main(argv) and turn every way it can end into an exit code and at most one stderr line.
+    error_json: also print {"status": "error"|"interrupted", "exit_code", "error"} on stdout, for a script
+    whose stdout always ends in one JSON object (tinker_infer.py); interrupted_hint: what to do after ^C."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        yield
-    finally:
-        mod.datetime = real
+        return main(argv)
+    except ScriptError as e:
+        code, status, line = e.exit_code, "error", f"error: {one_line(e, 2000)}"
+    except Terminated:
+        code, status, line = 143, "interrupted", f"terminated: {interrupted_hint}"
+    except KeyboardInterrupt:
+        code, status, line = 130, "interrupted", f"interrupted: {interrupted_hint}"
+    except Exception as e:  # Tinker or runtime failure: one line; the SDK's log has the details
+        code, status, line = EXIT_FAILURE, "error", f"error: {type(e).__name__}: {one_line(e)}"
+    say(line)
+    if error_json:
+        emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
+    return code
+
+
+# ---- common/flags.py ----
+# Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
+import math
+import os
+from pathlib import Path
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_number(dest: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
+    """DataError unless value is a finite number within [low, high] (open ends where asked); None passes."""
+    if value is None:
+        return
+    name = flag_name(dest)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{name} {value!r}: expected a finite number")
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf' if high is None else high}{')' if high_open else ']'}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        raise DataError(f"{name} {value}: expected a value in {bounds}")
+
+
+def check_numbers(args, rules: dict) -> None:
+    """rules: {dest: dict(low=..., high=..., low_open=..., high_open=...)} checked against args.dest."""
+    for dest, bounds in rules.items():
+        check_number(dest, getattr(args, dest, None), **bounds)
+
+
+def check_readable_file(path, what: str) -> Path:
+    """An existing, readable file, or DataError naming the flag and the file."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{what} {path}: no such file")
+    if p.is_dir():
+        raise DataError(f"{what} {path} is a folder; expected a file")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"{what} {path} is not readable (permissions)")
+    return p
+
+
+def check_writable_dir(path, what: str) -> Path:
+    """A folder that exists and is writable, or can be created under a writable parent."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise DataError(f"{what} {path} is a file; expected a folder (choose another {what})")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DataError(f"{what} {path}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
+    return p
+
+
+# ---- common/render.py ----
+# Tokenizer loading, the run record's "format", and rendering through the model's own chat template.
+#
+# The masking rule: a datum's weights are 1 exactly on what the model must produce after the generation
+# prompt (the assistant's tokens, end-of-turn token included) and 0 on everything else. Rendering is
+# deterministic: the date a template prints is frozen, so a resumed run renders the same datums.
+import contextlib
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+
+
+FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
+FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given
+
+
+def has_reasoning(message):
+    return bool((message.get("reasoning_content") or "").strip()) or "<think>" in message.get("content", "")
+
+
+def tokenizer_record(name_or_path: str) -> str:
+    """An existing folder as an absolute path, so tinker_infer.py --run finds it from any directory;
+    a hub name unchanged."""
+    return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
 
 def load_tokenizer(name_or_path: str):
@@ -381,666 +1156,736 @@ def hub_unreachable(timeout_s: float = 5.0) -> str | None:
     return None
 
 
-def render_text(tokenizer, fmt, messages, tools=None, add_generation_prompt=True):
-    kwargs = dict(fmt["template_kwargs"])
-    frozen = kwargs.pop("strftime_now", None)
-    with _frozen_clock(frozen):
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **kwargs)
-
-
-def render_tokens(tokenizer, fmt, prompt, tools=None):
-    """Token ids given to the sampler for a prompt (messages -> chat template; str -> raw text)."""
-    if fmt["kind"] == "raw":
-        text = prompt if isinstance(prompt, str) else "\n\n".join(
-            [f"{m['role'].capitalize()}: {m['content']}" for m in prompt] + ["Assistant:"])
-        bos = [tokenizer.bos_token_id] if fmt.get("bos") and tokenizer.bos_token_id is not None else []
-        return bos + tokenizer.encode(text, add_special_tokens=False)
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    return tokenizer.encode(render_text(tokenizer, fmt, prompt, tools), add_special_tokens=False)
-
-
-_PROBE = "Zq7PROBEqZ"
-
-
-def chat_format(tokenizer, name):
-    """The run record's "format" (DEVELOPING.md): template hash and kwargs, stop = the end-of-turn
-    token found by rendering an assistant turn (plus Harmony's <|call|>)."""
+def chat_format(tokenizer, *, name: str, thinking: bool = False) -> dict:
+    """The run record's "format" for chat-template rendering (see DEVELOPING.md)."""
     template = tokenizer.chat_template
-    if isinstance(template, dict):
+    if isinstance(template, dict):  # some tokenizers ship named templates
         template = template.get("default") or next(iter(template.values()))
+    if not template:
+        raise DataError(f"tokenizer {name!r} has no chat template; use --format raw")
     fmt = {
         "kind": "chat",
         "template_sha256": hashlib.sha256(template.encode()).hexdigest(),
-        "template_kwargs": {"enable_thinking": False, "thinking": False,
-                            "date_string": FROZEN_DATE_STRING, "strftime_now": FROZEN_DATE},
+        "template_kwargs": {
+            "enable_thinking": thinking,  # Qwen3
+            "thinking": thinking,  # DeepSeek V3.1
+            "date_string": FROZEN_DATE_STRING,  # Llama 3.x
+            "strftime_now": FROZEN_DATE,  # gpt-oss prints strftime_now("%Y-%m-%d"); frozen while rendering
+        },
         "stop": [],
         "tokenizer": name,
     }
-    text = render_text(tokenizer, fmt, [{"role": "user", "content": "Hi"},
-                                        {"role": "assistant", "content": _PROBE}], add_generation_prompt=False)
-    after = tokenizer.encode(text[text.index(_PROBE) + len(_PROBE):], add_special_tokens=False)
-    specials = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-    end = next((t for t in after if t in specials), None)
-    if end is None:
-        raise DataError(f"the chat template of {name!r} ends an assistant turn with no special token; "
-                        "cannot tell when a turn stops")
-    fmt["stop"] = [end]
-    if tokenizer.convert_ids_to_tokens(end) == "<|return|>":
-        call = tokenizer.convert_tokens_to_ids("<|call|>")
-        if isinstance(call, int) and call != tokenizer.unk_token_id:
-            fmt["stop"].append(call)
+    fmt["stop"] = stop_tokens(tokenizer, fmt)
     return fmt
 
 
-def raw_format(tokenizer, name):
+def raw_format(tokenizer, *, name: str) -> dict:
+    """The run record's "format" for plain text + explicit EOS (base models)."""
     if tokenizer.eos_token_id is None:
-        raise DataError(f"tokenizer {name!r} has no EOS token; a raw prompt needs one to stop")
-    return {"kind": "raw", "stop": [tokenizer.eos_token_id], "bos": tokenizer.bos_token_id is not None,
-            "conversation": "role-colon: 'User: ...\\n\\nAssistant: ...'", "tokenizer": name}
+        raise DataError(f"tokenizer {name!r} has no EOS token; raw format needs one to learn to stop")
+    return {
+        "kind": "raw",
+        "stop": [tokenizer.eos_token_id],
+        "bos": tokenizer.bos_token_id is not None,
+        "conversation": "role-colon: 'User: ...\\n\\nAssistant: ...'",
+        "tokenizer": name,
+    }
 
 
-def observation_tokens(tokenizer, fmt, message):
-    """Tokens that follow a closed model turn: the observation message and the next generation prompt.
+@contextlib.contextmanager
+def _frozen_clock(date_iso):
+    # transformers builds strftime_now() on datetime.now() and rebuilds any callable kwarg into a
+    # string, so the only way to freeze the date a template prints is its module's clock.
+    mod = importlib.import_module("transformers.utils.chat_template_utils")
+    real = getattr(mod, "datetime", None)
+    if real is None or not date_iso:
+        yield
+        return
 
-    Rendered after a probe assistant turn and cut after its end-of-turn token, so the result appends
-    to the tokens actually sampled (the extension property holds by construction and the episode
-    stays one datum, whatever the template does to earlier turns)."""
-    if isinstance(message, str):
-        message = {"role": "user", "content": message}
-    text = render_text(tokenizer, fmt, [{"role": "user", "content": "Hi"},
-                                        {"role": "assistant", "content": _PROBE}, message])
-    eot = tokenizer.decode([fmt["stop"][0]])
-    start = text.index(_PROBE) + len(_PROBE)
-    cut = text.index(eot, start) + len(eot)
-    return tokenizer.encode(text[cut:], add_special_tokens=False)
+    class FrozenDatetime(real):
+        @classmethod
+        def now(cls, tz=None):
+            return real.fromisoformat(date_iso)
 
-
-def completion_text(tokenizer, fmt, tokens):
-    if tokens and tokens[-1] in fmt["stop"]:
-        tokens = tokens[:-1]
-    return tokenizer.decode(tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tasks, rewards, advantages, datums
-
-
-def task_label(tasks, index):
-    text = json.dumps(tasks[index], default=str)
-    return f"task {index} ({text[:60]}{'...' if len(text) > 60 else ''})"
-
-
-def checked_reward(value, label, where="reward()"):
-    if isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DataError(f"{where} returned {value!r} for {label}; expected a finite float. Fix it in the "
-                        "EDIT ME block and check with --dry-run")
-    return float(value)
-
-
-def call_user_code(fn, label, *args):
-    """reward() / env_step() from the EDIT ME block; an exception there is bad input, named by task."""
+    mod.datetime = FrozenDatetime
     try:
-        return fn(*args)
-    except RLError:
-        raise
-    except Exception as e:
-        raise DataError(f"{fn.__name__}() raised on {label}: {type(e).__name__}: {str(e)[:120]}") from None
+        yield
+    finally:
+        mod.datetime = real
 
 
-def batch_tasks(iteration, n_tasks, batch_size, seed):
-    """Task indices of one iteration: epochs of seeded shuffles, so --resume picks the same tasks."""
+def _tool_call_arguments(messages, as_text):
+    """Copies of messages whose tool-call arguments are dicts (the transformers convention, which
+    Qwen3, Qwen3.5, gpt-oss and Kimi templates expect) or JSON text (DeepSeek V3.1 concatenates)."""
     out = []
-    for k in range(iteration * batch_size, (iteration + 1) * batch_size):
-        epoch, pos = divmod(k, n_tasks)
-        order = list(range(n_tasks))
-        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
-        out.append(order[pos])
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m, tool_calls=[dict(c, function=_arguments(c["function"], as_text)) for c in m["tool_calls"]])
+        out.append(m)
     return out
 
 
-def group_seed(seed, iteration, slot):
-    """The seed of one group: its sampler calls and its environment rng (the same for every sample)."""
-    return random.Random(f"{seed}-{iteration}-{slot}").randrange(2**31)
+def _arguments(function, as_text):
+    args = function.get("arguments", {})
+    if as_text and not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    elif not as_text and isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise RenderError(f"tool call {function.get('name')!r} has arguments that are not JSON: {args[:80]!r}") from None
+    return dict(function, arguments=args)
 
 
-def advantages(rewards, normalize_std=False):
-    mean = sum(rewards) / len(rewards)
-    centred = [r - mean for r in rewards]
-    if not normalize_std:
-        return centred
-    std = math.sqrt(sum(c * c for c in centred) / len(centred))
-    return [c / (std + 1e-6) for c in centred]
+def _apply_template(tokenizer, messages, fmt, *, add_generation_prompt, thinking=None, tools=None):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    if thinking is not None:
+        kwargs["enable_thinking"] = kwargs["thinking"] = thinking
+    if tools:
+        kwargs["tools"] = tools
+
+    def render(msgs):
+        with _frozen_clock(frozen):
+            return tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+            )
+
+    try:
+        try:
+            ids = render(_tool_call_arguments(messages, as_text=False))
+        except TypeError:  # a template that concatenates arguments as text (DeepSeek V3.1)
+            ids = render(_tool_call_arguments(messages, as_text=True))
+    except RenderError:
+        raise
+    except Exception as e:  # jinja errors: one line naming the template, never a traceback
+        raise RenderError(
+            f"chat template of {fmt.get('tokenizer')} failed on this conversation: {type(e).__name__}: {e}"
+        ) from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older transformers ignore return_dict=False
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _role_colon_text(messages):
+    """Raw-format rendering of a conversation: the prompt text ending in 'Assistant:'."""
+    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(parts + ["Assistant:"])
+
+
+def _raw_assistant_text(message):
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
+
+
+def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
+    """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
+    assistant header."""
+    if fmt["kind"] == "chat":
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return _apply_template(tokenizer, messages, fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    text = messages if isinstance(messages, str) else _role_colon_text(messages)
+    bos = [tokenizer.bos_token_id] if fmt.get("bos") and tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text, add_special_tokens=False)
 
 
 @dataclasses.dataclass
-class Turn:
-    observation: list[int]  # everything the sampler was given for this turn
-    action: list[int]  # the sampled tokens
-    logprobs: list[float]  # the sampler's logprob of each sampled token
-    stop_reason: str
+class Rendered:
+    """One datum before the shift: token ids and per-token loss weights (same length, unshifted)."""
+
+    tokens: list[int]
+    weights: list[float]
 
 
-@dataclasses.dataclass
-class Episode:
-    turns: list[Turn]
-    reward: float
-    truncated: bool = False
-    info: dict = dataclasses.field(default_factory=dict)
+def _is_special(tokenizer, tok):
+    return tok in tokenizer.all_special_ids or tok in getattr(tokenizer, "added_tokens_decoder", {})
 
 
-@dataclasses.dataclass
-class Group:
-    task_index: int
-    seed: int
-    episodes: list[Episode]
+def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
+    """Rendered for assistant message i: weights 1 exactly on what the model must produce after the
+    generation prompt, end-of-turn token included."""
+    thinking = fmt["template_kwargs"].get("enable_thinking", False) or has_reasoning(messages[i])
+    prompt = _apply_template(tokenizer, messages[:i], fmt, add_generation_prompt=True, thinking=thinking, tools=tools)
+    full = _apply_template(tokenizer, messages[: i + 1], fmt, add_generation_prompt=False, thinking=thinking,
+                           tools=tools)
+    template_id = f"{fmt.get('tokenizer')} (template sha256 {fmt['template_sha256'][:12]})"
+    if full[: len(prompt)] != prompt:
+        raise RenderError(
+            f"chat template of {template_id} renders message {i} so that the generation prompt is not a "
+            "prefix of the conversation; training on it would not match sampling (try --format raw)"
+        )
+    completion = full[len(prompt):]
+    # The template may append whitespace after the end-of-turn token (Qwen3: "<|im_end|>\n"): the
+    # sampler stops at the end-of-turn token and never produces it, so it is not trained.
+    while completion and not _is_special(tokenizer, completion[-1]) and not tokenizer.decode([completion[-1]]).strip():
+        completion.pop()
+    if not completion:
+        raise RenderError(f"chat template of {template_id} renders assistant message {i} as nothing")
+    if not _is_special(tokenizer, completion[-1]):
+        raise RenderError(
+            f"chat template of {template_id} ends assistant message {i} with "
+            f"{tokenizer.decode(completion[-1:])!r}, not an end-of-turn special token; the model would never learn to stop"
+        )
+    reasoning = (messages[i].get("reasoning_content") or "").strip()
+    if reasoning and reasoning not in tokenizer.decode(completion):
+        raise RenderError(
+            f"chat template of {template_id} drops the reasoning_content of assistant message {i} "
+            "(Kimi K2 keeps it only before a tool call; DeepSeek V3.1 never renders it); "
+            "remove reasoning_content to train the answer alone"
+        )
+    return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
 
 
-def episode_sequences(turns, advantage):
-    """Unshifted (tokens, sampler logprobs, advantages, mask) per datum of one episode.
+def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[Rendered]:
+    """The datums of one validated example.
 
-    A turn whose observation starts with everything so far extends it: only the new observation
-    tokens are appended (logprob, advantage and mask 0), then the action (sampler logprobs, the
-    episode's advantage, mask 1). A turn that does not extend starts a new datum."""
-    sequences, seq = [], None
-    for turn in turns:
-        if seq is not None and turn.observation[: len(seq[0])] == seq[0]:
-            new = turn.observation[len(seq[0]):]
+    chat, last-assistant: one datum training the last assistant message.
+    chat, all-assistant: every assistant message is trained; consecutive turns share one datum when
+        the earlier datum's tokens are a prefix of the later one (the template has the extension
+        property). Otherwise each turn is its own datum, rendered in the context the model really
+        sees at that turn (Qwen3 drops earlier turns' <think> blocks, so its turns are separate).
+    Reasoning: a message with reasoning_content (or <think> in its content) renders with thinking on
+        and its reasoning is trained; other messages render with the format's thinking switch.
+    raw: [bos] + prompt + completion + [eos], weights on completion + eos; a conversation becomes
+        role-colon text ('User: ...\\n\\nAssistant:') with the assistant content as completion.
+    """
+    if fmt["kind"] == "chat":
+        messages = example.get("messages") or [
+            {"role": "user", "content": example["prompt"]},
+            {"role": "assistant", "content": example["completion"]},
+        ]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
+        return _merge_extensions(rendered)
+
+    eos = tokenizer.eos_token_id
+    if "messages" in example:
+        messages = example["messages"]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        pairs = [(messages[:i], " " + _raw_assistant_text(messages[i])) for i in turns]
+    else:
+        pairs = [(example["prompt"], example["completion"])]
+    out = []
+    for prompt_part, completion_text in pairs:
+        prompt = generation_prompt(prompt_part, tokenizer, fmt)
+        completion = tokenizer.encode(completion_text, add_special_tokens=False) + [eos]
+        out.append(Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
+    return _merge_extensions(out)
+
+
+def _merge_extensions(rendered):
+    merged = []
+    for r in rendered:
+        last = merged[-1] if merged else None
+        if last is not None and r.tokens[: len(last.tokens)] == last.tokens:
+            merged[-1] = Rendered(r.tokens, last.weights + r.weights[len(last.tokens):])
         else:
-            if seq is not None:
-                sequences.append(seq)
-            seq, new = ([], [], [], []), turn.observation
-        if len(turn.logprobs) != len(turn.action):
-            raise RLError(f"sampler returned {len(turn.logprobs)} logprobs for {len(turn.action)} tokens")
-        tokens, lps, advs, mask = seq
-        tokens += new + turn.action
-        lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
-        advs += [0.0] * len(new) + [float(advantage)] * len(turn.action)
-        mask += [0.0] * len(new) + [1.0] * len(turn.action)
-    if seq is not None:
-        sequences.append(seq)
-    return sequences
+            merged.append(r)
+    return merged
 
 
-def to_datum(tokens, logprobs, advs):
-    """Shift by one: position i predicts token i+1. No `mask` key: prompt and observation positions
-    are out of the loss because their advantage is 0."""
+def stop_tokens(tokenizer, fmt) -> list[int]:
+    """Token ids that end a sampled turn: the end-of-turn token the renderer trains (found by rendering
+    a probe conversation), plus Harmony's <|call|> when the end-of-turn is <|return|>; raw: [eos]."""
+    if fmt["kind"] != "chat":
+        return [tokenizer.eos_token_id]
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    end = _render_chat_turn(probe, 1, tokenizer, fmt).tokens[-1]
+    stops = [end]
+    if tokenizer.convert_ids_to_tokens(end) == "<|return|>":
+        call = tokenizer.convert_tokens_to_ids("<|call|>")
+        if isinstance(call, int) and call != tokenizer.unk_token_id:
+            stops.append(call)
+    return stops
+
+
+def to_datum(r: Rendered):
+    """The shift by one: model_input = tokens[:-1], target_tokens = tokens[1:], weights = weights[1:]."""
     import tinker
 
     return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": list(tokens[1:]), "logprobs": list(logprobs[1:]),
-                        "advantages": list(advs[1:])},
+        model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
     )
 
 
-def build_batch(groups, normalize_std=False):
-    """Datums (with their client-side masks) of every group whose rewards do not all tie."""
-    datums, masks, tied = [], [], 0
-    for group in groups:
-        rewards = [e.reward for e in group.episodes]
-        if max(rewards) - min(rewards) < 1e-9:
-            tied += 1
-            continue
-        for episode, adv in zip(group.episodes, advantages(rewards, normalize_std)):
-            for tokens, lps, advs, mask in episode_sequences(episode.turns, adv):
-                if len(tokens) < 2 or not any(mask):
-                    continue
-                datums.append(to_datum(tokens, lps, advs))
-                masks.append(mask[1:])
-    return datums, masks, tied
+def weighted_spans(tokenizer, r: Rendered) -> list[str]:
+    """Decoded text of each run of consecutive weighted tokens (what the audit shows a human)."""
+    spans, current = [], []
+    for tok, w in zip(r.tokens, r.weights):
+        if w:
+            current.append(tok)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return [tokenizer.decode(s) for s in spans]
 
 
-def kl_metrics(datums, masks, outputs):
-    """Sampler vs learner on the sampled tokens: v1 = mean(lp_sampler - lp_learner), v2 = half the mean
-    square (stable training keeps these below about 0.01), entropy = -mean(lp_sampler)."""
-    diffs, sampler_lps = [], []
-    for datum, mask, out in zip(datums, masks, outputs):
-        learner = out["logprobs"].tolist() if hasattr(out["logprobs"], "tolist") else list(out["logprobs"])
-        sampler = datum.loss_fn_inputs["logprobs"].tolist()
-        for m, q, p in zip(mask, sampler, learner):
-            if m:
-                diffs.append(q - p)
-                sampler_lps.append(q)
-    if not diffs:
-        return {}
-    n = len(diffs)
-    return {"kl_sample_train_v1": sum(diffs) / n, "kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / n,
-            "entropy": -sum(sampler_lps) / n}
+def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
+    """--format auto|chat|raw: auto is raw for *-Base models or tokenizers without a template, else chat."""
+    if kind == "auto":
+        base = model_name.split(":", 1)[0].endswith("-Base")
+        kind = "raw" if base or not tokenizer.chat_template else "chat"
+    if kind == "chat":
+        return chat_format(tokenizer, name=tokenizer_name, thinking=thinking)
+    return raw_format(tokenizer, name=tokenizer_name)
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollouts: every group in flight at once
+def render_all(examples, tokenizer, fmt, train_on) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+    out = []
+    for ex in examples:
+        try:
+            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
+        except RenderError as e:
+            raise RenderError(f"line {ex['line']}: {e}") from None
+    return out
 
 
-@dataclasses.dataclass
-class Rollout:
-    """Everything a rollout needs besides the sampling client."""
+def apply_length_limit(rendered, limit, mode):
+    """(kept, dropped lines) of [(line, Rendered)]. mode: 'error' | 'drop' | 'truncate'."""
+    if not limit:
+        return rendered, []
+    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
+    if not long:
+        return rendered, []
+    if mode == "error":
+        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
+        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
+        raise DataError(
+            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
+            "or pass --drop-long or --truncate")
+    kept, dropped = [], []
+    for line, r in rendered:
+        if len(r.tokens) <= limit:
+            kept.append((line, r))
+        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
+            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
+        else:  # dropped, or truncation would leave nothing to train
+            dropped.append(line)
+    return kept, dropped
 
-    tokenizer: object
-    fmt: dict
-    env: dict
-    tasks: list
-    prompts: list  # rendered first-prompt tokens, one per task
-    max_tokens: int
-    temperature: float
-    max_turns: int
-    on_truncation: str
-    context_window: int | None
+
+# ---- common/run_record.py ----
+# The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
+#
+# Nothing is lost on a crash: rows are appended and fsynced one at a time, config.json is replaced
+# atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
+# changes until every check that can refuse the run (flags, data, budget) has passed.
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
 
 
-def _params(ro, prompt_len, seed):
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Run:
+    """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
+    `rewind` and `checkpoint` are the only writers."""
+
+    def __init__(self, path, extra_files=()):
+        self.path = Path(path)
+        self.files = RUN_FILES + tuple(extra_files)
+
+    def file(self, name) -> Path:
+        return self.path / name
+
+    def rows(self, name) -> list[dict]:
+        """Rows of a JSONL file; a torn line (a kill mid-write) is skipped, a missing file is []."""
+        path = self.file(name)
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def append(self, name, row: dict) -> None:
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        path = self.file(name)
+        with open(path, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write((json.dumps(row) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write_json(self, name, obj) -> None:
+        """Atomic replace: a kill leaves the old file or the new one, never half of one."""
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(obj, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def write_rows(self, name, rows) -> None:
+        """Replace a JSONL file atomically (e.g. a dry run's datums.jsonl); creates the folder."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = self.file(name)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def config(self) -> dict:
+        try:
+            return json.loads(self.file("config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+
+    def holds_run(self) -> bool:
+        return any(self.file(n).exists() for n in ("metrics.jsonl", "checkpoints.jsonl"))
+
+    def checkpoints(self) -> list[dict]:
+        return [r for r in self.rows("checkpoints.jsonl") if r.get("state_path")]
+
+    def resume_point(self, *, resume: bool, overwrite: bool, dry_run: bool = False) -> dict | None:
+        """The checkpoint row --resume continues from (None for a new run). Refuses to mix two runs in
+        one folder. Writes nothing."""
+        if resume:
+            rows = self.checkpoints()
+            if not rows:
+                raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
+                                "without --resume (add --overwrite to replace what is there)")
+            return rows[-1]
+        if self.holds_run() and not overwrite and not dry_run:
+            raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
+                            "replace it (or choose another --log-path)")
+        return None
+
+    def check_resume(self, config: dict, keys) -> None:
+        """DataError naming every setting in `keys` (and the format) that differs from the saved run.
+        config.json is never rewritten on resume: the saved settings stay the record of the run."""
+        saved = self.config()
+        if not saved:
+            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
+                            "run cannot be checked (start a new run with --overwrite)")
+        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        saved_fmt = dict(saved.get("format") or {})
+        if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
+            saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
+        if saved_fmt and saved_fmt != config.get("format"):
+            diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        if diffs:
+            raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
+                            "resume with the original flags (or start a new --log-path)")
+
+    def begin(self, config: dict) -> None:
+        """A new run: the folder's old record removed, config.json written. Call after every check."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in self.files:
+            self.file(name).unlink(missing_ok=True)
+        self.write_json("config.json", config)
+
+    def rewind(self, name, keep) -> None:
+        """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
+        if not self.file(name).exists():
+            return
+        text = "".join(json.dumps(r) + "\n" for r in self.rows(name) if keep(r))
+        tmp = self.file(name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.file(name))
+
+    def checkpoint(self, *, name, step, position: dict, epoch, state_path, sampler_path, fmt, **extra) -> dict:
+        """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
+        starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
+        row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+        self.append("checkpoints.jsonl", row)
+        return row
+
+
+# ---- common/training.py ----
+# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+import math
+import random
+
+
+# The cookbook's Adam values; the SDK's default eps is 1e-12.
+ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
+
+# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
+HIDDEN_SIZES = {
+    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
+    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
+    "meta-llama/Llama-3.3-70B-Instruct": 8192,
+    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
+    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
+    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
+    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
+    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
+}
+
+
+def recommended_learning_rate(model_name):
+    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
+    None when the family is not calibrated or the hidden size is unknown."""
+    name = model_name.split(":", 1)[0]
+    hidden = HIDDEN_SIZES.get(name)
+    lowered = name.lower()
+    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
+    if hidden is None or power is None:
+        return None
+    return 5e-5 * 10 * (2000 / hidden) ** power
+
+
+def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
+    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
+    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = (step - warmup_steps) / span
+    if schedule == "linear":
+        return 1 - progress
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def plan_steps(n_train, batch_size, epochs, max_steps):
+    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
+    same size; a data set smaller than one batch is one batch."""
+    per_epoch = max(n_train // batch_size, 1)
+    total = per_epoch * epochs
+    return per_epoch, min(total, max_steps) if max_steps else total
+
+
+class BatchOrder:
+    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
+    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
+    batches an uninterrupted one would."""
+
+    def __init__(self, n_train, batch_size, per_epoch, seed):
+        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
+        self._epoch, self._order = None, None
+
+    def __call__(self, step) -> list[int]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._order = list(range(self.n))
+            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order[index * self.size:(index + 1) * self.size]
+
+
+def trained_mask(r) -> list[float]:
+    """1.0 on each target position the loss trains (after the shift by one), else 0.0."""
+    return [1.0 if w else 0.0 for w in r.weights[1:]]
+
+
+def training_datums(rendered) -> list:
+    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss (the
+    cookbook default since its issue 271: long answers do not dominate a batch)."""
+    datums = []
+    for r in rendered:
+        n = sum(1 for w in r.weights[1:] if w) or 1
+        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
+    return datums
+
+
+def batch_nll(result, masks) -> float:
+    """NLL per trained token of a forward(_backward) result, from the per-datum target logprobs."""
+    total = count = 0.0
+    for out, mask in zip(result.loss_fn_outputs, masks):
+        logprobs = out["logprobs"].tolist()
+        total -= sum(lp * m for lp, m in zip(logprobs, mask))
+        count += sum(mask)
+    return total / max(count, 1.0)
+
+
+# ---- common/service.py ----
+# Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
+# and the optional cost preflight through tinker_pricing.py beside the script.
+import importlib
+import os
+import socket
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
+REACH_TIMEOUT_S = 3.0
+CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
+LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+
+
+def service_url() -> str:
+    """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
+    return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
+
+
+def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, setting: str = "TINKER_BASE_URL") -> None:
+    """One TCP connection to the service within timeout_s, or AccessError. The SDK retries an unreachable
+    first call for minutes; this turns a dead TINKER_BASE_URL into a one-line exit 4 in seconds. Once the
+    service has answered, the SDK's own retries handle transient failures. setting: the flag or variable
+    that chose url, named in the error."""
+    import urllib.request
+
+    url = url or service_url()
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or parts.scheme not in ("http", "https"):
+        raise AccessError(f"{setting} {url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8000"
+                          + ("; unset it to use hosted Tinker" if setting == "TINKER_BASE_URL" else ""))
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(host):
+        return  # through a proxy the TCP check proves nothing; the SDK reports the failure
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if isinstance(e, socket.gaierror):
+            reason = f"host {host} does not resolve"
+        local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
+        hint = LOCAL_HINT if local else "check the network"
+        raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
+                          f"{hint}, or fix {setting}") from None
+
+
+def require_credentials() -> str:
+    """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    key = os.environ.get("TINKER_API_KEY", "")
+    if key and not key.startswith(("tml-", "eyJ")):
+        raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
+                          "from the Tinker console")
+    if key:
+        return key
     import tinker
 
-    cap = ro.max_tokens if ro.context_window is None else min(ro.max_tokens, ro.context_window - prompt_len)
-    return None if cap <= 0 else tinker.SamplingParams(max_tokens=cap, temperature=ro.temperature,
-                                                        stop=list(ro.fmt["stop"]), seed=seed)
+    if not tinker.auth.tinker_has_credentials():
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
+                          f"or {LOCAL_HINT}")
+    return tinker.auth.get_tinker_token() or ""
 
 
-async def run_episode(sampler, ro, task_index, seed, index, first):
-    """Continue one episode from its first sampled turn until the environment says done."""
+def rest_client():
+    """RestClient for the current environment. Explicit arguments, because RestClient() with none reuses
+    the first one made in the process, whatever TINKER_BASE_URL says now."""
     import tinker
 
-    task, env = ro.tasks[task_index], ro.env
-    label = task_label(ro.tasks, task_index)
-    rng = random.Random(seed)  # the same environment randomness for every sample of the group
-    conversation = list(env["render_prompt"](task)) if env["env_step"] else None
-    observation, sequence = ro.prompts[task_index], first
-    turns, total, truncated, info = [], 0.0, False, {}
-    for turn_index in range(ro.max_turns):
-        if turn_index > 0:
-            params = _params(ro, len(observation), seed + 7919 * index + turn_index)
-            if params is None:  # no room left in the context window
-                truncated = True
-                break
-            response = await sampler.sample(prompt=tinker.ModelInput.from_ints(observation), num_samples=1,
-                                            sampling_params=params)
-            sequence = response.sequences[0]
-        action = list(sequence.tokens)
-        turns.append(Turn(observation, action, list(sequence.logprobs or []), sequence.stop_reason))
-        text = completion_text(ro.tokenizer, ro.fmt, action)
-        cut = sequence.stop_reason == "length"
-        truncated = truncated or cut
-        if env["env_step"] is None:
-            total += checked_reward(call_user_code(env["reward"], label, task, text), label)
-            break
-        result = call_user_code(env["env_step"], label, task, list(conversation), text, rng)
-        if not isinstance(result, tuple) or len(result) not in (3, 4):
-            raise DataError(f"env_step() returned {type(result).__name__} for {label}; expected "
-                            "(observation, reward, done) or (observation, reward, done, info)")
-        message, step_reward, done = result[:3]
-        for key, value in (result[3] if len(result) == 4 and result[3] else {}).items():
-            info[key] = info.get(key, 0) + value
-        total += checked_reward(step_reward, label, "env_step()")
-        if done or message is None or (cut and ro.on_truncation == "end"):
-            break
-        conversation += [{"role": "assistant", "content": text},
-                         message if isinstance(message, dict) else {"role": "user", "content": str(message)}]
-        closed = action if action and action[-1] in ro.fmt["stop"] else action + ro.fmt["stop"][:1]
-        observation = observation + closed + observation_tokens(ro.tokenizer, ro.fmt, message)
-    return Episode(turns, total, truncated, info)
+    return tinker.RestClient(base_url=os.environ.get("TINKER_BASE_URL") or None,
+                             api_key=os.environ.get("TINKER_API_KEY") or None)
 
 
-async def rollout_group(sampler, ro, task_index, seed, group_size):
-    """One group: the first turn of all its samples in one call, then each episode on its own."""
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+    """(ServiceClient, the model's context window) after credentials, reachability and the served-model
+    check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
+    sampled): no served-model check, context window None."""
+    import difflib
+
+    require_credentials()
+    check_reachable()
     import tinker
 
-    prompt = ro.prompts[task_index]
-    response = await sampler.sample(prompt=tinker.ModelInput.from_ints(prompt), num_samples=group_size,
-                                    sampling_params=_params(ro, len(prompt), seed))
-    episodes = await asyncio.gather(*(run_episode(sampler, ro, task_index, seed, i, seq)
-                                      for i, seq in enumerate(response.sequences)))
-    return Group(task_index, seed, list(episodes))
+    if model_name is None:
+        return tinker.ServiceClient(), None
+    try:
+        caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
+    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
+        raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
+    except (tinker.APIConnectionError, tinker.APITimeoutError, TimeoutError, OSError) as e:
+        raise AccessError(f"no answer from {service_url()} ({type(e).__name__}); check the network or "
+                          "TINKER_BASE_URL") from None
+    models = {m.model_name: m for m in caps.supported_models if m.model_name}
+    model = models.get(model_name.split(":", 1)[0]) or models.get(model_name)
+    if model is None:
+        close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
+        shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
+        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+    if trainable and model.trainable is False:
+        raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
+    return tinker.ServiceClient(), model.max_context_length
 
 
-async def rollout_batch(sampler, ro, task_indices, seeds, group_size, concurrent=True):
-    """All groups of one iteration. concurrent=False samples one group after another (benchmark only)."""
-    if concurrent:
-        return list(await asyncio.gather(*(rollout_group(sampler, ro, t, s, group_size)
-                                           for t, s in zip(task_indices, seeds))))
-    return [await rollout_group(sampler, ro, t, s, group_size) for t, s in zip(task_indices, seeds)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Training step, checkpoints, run record
-
-
-def train_step(training_client, datums, loss_fn, config, learning_rate):
-    """forward_backward with the chosen loss and its config, optim_step submitted right behind it."""
-    import tinker
-
-    fb = training_client.forward_backward(datums, loss_fn=loss_fn, loss_fn_config=config)
-    step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, beta1=0.9, beta2=0.95,
-                                                        eps=1e-8))
-    result = fb.result()
-    step.result()
-    return result
-
-
-def read_rows(path):
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def append_row(path, row):
-    with path.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def save_checkpoint(tc, log, name, next_iteration, epoch, fmt, final=False):
-    state = tc.save_state(name, ttl_seconds=None if final else PERIODIC_TTL_SECONDS)
-    sampler = tc.save_weights_for_sampler(name) if final else None
-    row = {"name": name, "step": next_iteration, "next_iteration": next_iteration, "epoch": epoch,
-           "state_path": state.result().path, "sampler_path": sampler.result().path if sampler else None,
-           "format": fmt, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    append_row(log / "checkpoints.jsonl", row)
-    return row
-
-
-SETTINGS_THAT_MUST_MATCH = ("env", "model_name", "lora_rank", "batch_size", "group_size", "seed")
-
-
-def prepare_log(args, config):
-    """The log folder, and the checkpoint row to resume from (or None)."""
-    log = Path(args.log_path)
-    ckpt_path, metrics_path = log / "checkpoints.jsonl", log / "metrics.jsonl"
-    existing = [p for p in (ckpt_path, metrics_path) if p.exists()]
-    if args.resume:
-        rows = [r for r in read_rows(ckpt_path) if r.get("state_path")]
-        if not rows:
-            raise DataError(f"nothing to resume in {log}: no checkpoints.jsonl row with a state_path; "
-                            "drop --resume to start")
-        old = json.loads((log / "config.json").read_text()) if (log / "config.json").exists() else {}
-        changed = [k for k in SETTINGS_THAT_MUST_MATCH if k in old and old[k] != config[k]]
-        if changed:
-            raise DataError(f"--resume with different {', '.join('--' + k.replace('_', '-') for k in changed)} "
-                            f"than the run in {log}; use the same settings or a new --log-path")
-        last = rows[-1]
-        kept = [r for r in read_rows(metrics_path) if r.get("iteration", 0) < last["next_iteration"]]
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        return log, last
-    if existing and not args.overwrite:
-        raise DataError(f"{log} already holds a run; add --resume to continue it or --overwrite to start over")
-    log.mkdir(parents=True, exist_ok=True)
-    for p in existing:
-        p.unlink()
-    return log, None
+def check_tinker_path(path, need):
+    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
+        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
+    if parts[1] != need:
+        if need == "weights":
+            raise DataError(
+                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
+                "path saved by save_state (state_path in checkpoints.jsonl)")
+        raise DataError(
+            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
+            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
+    return path
 
 
 def load_pricing():
-    if str(SCRIPT_DIR) not in sys.path:
-        sys.path.insert(0, str(SCRIPT_DIR))
+    """tinker_pricing from beside this script, or None (then no dollar estimate)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     try:
         return importlib.import_module("tinker_pricing")
     except ImportError:
         return None
 
 
-def estimate(args, avg_prompt, turns, context=None, start=0):
-    """Dollar estimate of iterations start..--iterations, i.e. what a --resume has left to pay for
-    (completions counted at --max-tokens: an upper bound)."""
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
         note = "no dollar estimate: tinker_pricing.py is not beside this script"
-        if args.max_usd is not None:
+        if max_usd is not None:
             raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        print(note, file=sys.stderr)
+        say(note)
         return None
-    remaining = max(0, args.iterations - start)
-    tokens = pricing.rl_tokens(remaining, args.batch_size, args.group_size, avg_prompt, args.max_tokens,
-                               turns=turns, avg_observation=64 if turns > 1 else 0)
-    label = "rl" if not start else f"rl, remaining {remaining} of {args.iterations} iterations after --resume"
     try:
-        return pricing.preflight(args.model_name, tokens, args.max_usd, label=label, context=context)
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
     except pricing.BudgetExceeded as e:
         raise BudgetError(str(e)) from None
-    except (pricing.UnknownModelError, ValueError) as e:
-        if args.max_usd is not None:
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
             raise BudgetError(f"cannot check --max-usd: {e}") from None
-        print(f"no dollar estimate: {e}", file=sys.stderr)
+        say(f"no dollar estimate: {e}")
         return None
 
 
-def connect(args):
-    """ServiceClient and the model's context window, or an AccessError/DataError before any paid call."""
-    import tinker
-
-    if not tinker.auth.tinker_has_credentials():
-        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with "
-                          "--dry-run, or rehearse against the local backend (scripts/tinker_local.py)")
+def catalogue_context(model_name):
+    """The model's context window from the price catalogue (for --dry-run), or None."""
+    pricing = load_pricing()
     try:
-        caps = tinker.RestClient().get_server_capabilities().result()
-    except (tinker.AuthenticationError, tinker.PermissionDeniedError) as e:
-        raise AccessError(f"Tinker refused the credentials ({type(e).__name__}); check TINKER_API_KEY") from None
-    except (tinker.APIConnectionError, tinker.APITimeoutError, OSError) as e:
-        url = os.environ.get("TINKER_BASE_URL") or "the Tinker service"
-        raise AccessError(f"cannot reach {url} ({type(e).__name__}); check the network or TINKER_BASE_URL") from None
-    models = {m.model_name: m for m in caps.supported_models if m.model_name}
-    model = models.get(args.model_name)
-    if model is None:
-        raise DataError(f"unknown model {args.model_name!r}: this Tinker serves "
-                        f"{', '.join(sorted(models)[:12])}; pass one with --model-name")
-    if model.trainable is False:
-        raise DataError(f"{args.model_name} is not trainable on this Tinker; pick another --model-name")
-    return tinker.ServiceClient(), model.max_context_length
-
-
-def describe_failure(e):
-    status = getattr(e, "status_code", None)
-    text = str(getattr(e, "message", None) or e).replace("\n", " ")
-    return f"{type(e).__name__}{f' {status}' if status else ''}: {text[:200]}"
-
-
-def is_rejection(e):
-    """A request the server refused as invalid (4xx, or a failed request of category user)."""
-    status = getattr(e, "status_code", None)
-    category = str(getattr(e, "category", "")).lower()
-    return (status is not None and 400 <= status < 500) or category.endswith("user")
-
-
-# ---------------------------------------------------------------------------------------------
-# Main
-
-
-def prepare(args):
-    """Tasks, tokenizer, format and rendered prompts; everything checked that can be without Tinker."""
-    env = load_env(args.env)
-    tasks = list(env["tasks"])
-    if not tasks:
-        raise DataError(f"the task list of --env {args.env} is empty; fill TASKS in the EDIT ME block")
-    # A folder is recorded absolute so tinker_infer.py --run finds it from any directory; hub names as given.
-    tokenizer_name = args.tokenizer or args.model_name
-    tokenizer_name = os.path.abspath(tokenizer_name) if os.path.isdir(tokenizer_name) else tokenizer_name
-    tokenizer = load_tokenizer(tokenizer_name)
-    prompts = []
-    for i, task in enumerate(tasks):
-        try:
-            prompts.append(env["render_prompt"](task))
-        except Exception as e:
-            raise DataError(f"render_prompt() failed on {task_label(tasks, i)}: {type(e).__name__}: {e}") from None
-    if all(isinstance(p, str) for p in prompts) and not tokenizer.chat_template:
-        fmt = raw_format(tokenizer, tokenizer_name)
-    elif all(isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m for m in p) for p in prompts):
-        if not tokenizer.chat_template:
-            raise DataError(f"tokenizer {tokenizer_name!r} has no chat template; render_prompt() must return "
-                            "a str for this model")
-        fmt = chat_format(tokenizer, tokenizer_name)
-    else:
-        bad = next(i for i, p in enumerate(prompts) if not isinstance(p, (list, str)) or isinstance(p, str)
-                   != isinstance(prompts[0], str))
-        raise DataError(f"render_prompt() returned {type(prompts[bad]).__name__} for {task_label(tasks, bad)}; "
-                        "expected a list of {'role', 'content'} messages for every task (or a str for every task "
-                        "with a base model)")
-    if env["env_step"] is not None and fmt["kind"] != "chat":
-        raise DataError("a multi-turn environment needs a chat template to render observations")
-    rendered = [render_tokens(tokenizer, fmt, p, env["tools"]) for p in prompts]
-    if SIMULATED_USER_TEMPERATURE > 0 and env["env_step"] is not None:
-        print(f"warning: SIMULATED_USER_TEMPERATURE is {SIMULATED_USER_TEMPERATURE}: a simulated user that "
-              "samples differently inside a group adds noise the advantage credits to the policy; use 0, or "
-              "seed it from the rng env_step receives", file=sys.stderr)
-    return env, tasks, tokenizer, fmt, rendered
-
-
-def check_context(args, tasks, rendered, context_window):
-    if context_window is None:
-        return
-    for i, tokens in enumerate(rendered):
-        if len(tokens) >= context_window:
-            raise DataError(f"the prompt of {task_label(tasks, i)} is {len(tokens)} tokens, not below the "
-                            f"context window of {context_window}; shorten it in render_prompt()")
-    longest = max(len(t) for t in rendered)
-    if longest + args.max_tokens > context_window:
-        print(f"note: longest prompt {longest} + --max-tokens {args.max_tokens} exceeds the context window "
-              f"{context_window}; turns are capped to the room left", file=sys.stderr)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    validate_args(args)
-    config_loss = loss_fn_config(args)
-    env, tasks, tokenizer, fmt, rendered = prepare(args)
-    turns = args.max_turns if env["env_step"] else 1
-    avg_prompt = sum(map(len, rendered)) / len(rendered)
-    print(f"{len(tasks)} tasks (--env {args.env}), prompts {min(map(len, rendered))}-{max(map(len, rendered))} "
-          f"tokens, max {args.max_tokens} tokens per turn, up to {turns} turn(s)", file=sys.stderr)
-
-    if args.dry_run:
-        check_context(args, tasks, rendered, args.context_window)
-        print("first prompt as the sampler sees it:\n" + tokenizer.decode(rendered[0]), file=sys.stderr)
-        if env["env_step"] is None:  # the reward must hold its contract before any money is spent
-            for i, task in enumerate(tasks):
-                checked_reward(call_user_code(env["reward"], task_label(tasks, i), task, ""), task_label(tasks, i))
-        est = estimate(args, avg_prompt, turns, args.context_window)
-        emit({"status": "dry_run", "tasks": len(tasks), "env": args.env,
-              "prompt_tokens": {"min": min(map(len, rendered)), "mean": round(avg_prompt, 1),
-                                "max": max(map(len, rendered))},
-              "max_tokens": args.max_tokens, "loss_fn": args.loss_fn, "loss_fn_config": config_loss,
-              "estimate_usd": (est or {}).get("usd", {}).get("total") if est else None, "format": fmt})
-        return 0
-
-    service, context_window = connect(args)
-    context_window = args.context_window or context_window
-    check_context(args, tasks, rendered, context_window)
-    config = {k: v for k, v in vars(args).items()}
-    config.update(loss_fn_config=config_loss, context_window=context_window, n_tasks=len(tasks), format=fmt)
-    log, resume_row = prepare_log(args, config)
-    start = resume_row["next_iteration"] if resume_row else 0
-    estimate(args, avg_prompt, turns, context_window, start)
-    (log / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    if resume_row:
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        print(f"resumed from {resume_row['state_path']} at iteration {start}", file=sys.stderr)
-    else:
-        tc = service.create_lora_training_client(base_model=args.model_name, rank=args.lora_rank,
-                                                 seed=args.seed).result()
-    ro = Rollout(tokenizer, fmt, env, tasks, rendered, args.max_tokens, args.temperature, args.max_turns,
-                 args.on_truncation, context_window)
-    metrics_path = log / "metrics.jsonl"
-    first_reward = next((r["reward_mean"] for r in read_rows(metrics_path)), None)
-    last_reward, final = None, None
-
-    for it in range(start, args.iterations):
-        t0 = time.time()
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        t1 = time.time()
-        task_indices = batch_tasks(it, len(tasks), args.batch_size, args.seed)
-        seeds = [group_seed(args.seed, it, slot) for slot in range(len(task_indices))]
-        groups = asyncio.run(rollout_batch(sampler, ro, task_indices, seeds, args.group_size))
-        t2 = time.time()
-        datums, masks, tied = build_batch(groups, args.normalize_std)
-        episodes = [e for g in groups for e in g.episodes]
-        rewards = [e.reward for e in episodes]
-        if it == 0 and tied == len(groups):
-            raise DataError(
-                f"the base policy ties every group (all {len(groups)} groups at reward "
-                f"{sorted(set(rewards))[:3]}): no advantage, no gradient. Make the tasks easier (reward "
-                "floor) or harder (ceiling), give partial credit in reward(), or raise --group-size / "
-                "--temperature; nothing was trained")
-        fb_metrics, train_seconds = {}, 0.0
-        if datums:
-            t3 = time.time()
-            try:
-                result = train_step(tc, datums, args.loss_fn, config_loss, args.learning_rate)
-            except Exception as e:
-                where = (f"the last checkpoint is {read_rows(log / 'checkpoints.jsonl')[-1]['state_path']}"
-                         if (log / "checkpoints.jsonl").exists() else "no checkpoint was saved yet")
-                # SDK 0.38 poisons a TrainingClient only when forward_backward_custom fails; a rejected
-                # loss (dro, gspo) leaves it usable. The run stops anyway: the same loss would be rejected
-                # again, and a failure mid-run is safer resumed from the last checkpoint than trained past.
-                if is_rejection(e) and it == start and args.loss_fn != "importance_sampling":
-                    others = "|".join(x for x in LOSS_FNS if x != args.loss_fn)
-                    raise DataError(f"the server rejected --loss-fn {args.loss_fn} ({describe_failure(e)}); "
-                                    f"the run stops here ({where}). Rerun with --loss-fn {others}") from None
-                raise RLError(f"forward_backward/optim_step failed at iteration {it} ({describe_failure(e)}); "
-                              f"the run stops here ({where}); rerun with --resume") from None
-            train_seconds = time.time() - t3
-            fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
-                          **kl_metrics(datums, masks, result.loss_fn_outputs)}
-        mean = sum(rewards) / len(rewards)
-        row = {
-            "iteration": it, "reward_mean": mean,
-            "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
-            "reward_min": min(rewards), "reward_max": max(rewards),
-            "groups": len(groups), "groups_tied": tied, "frac_groups_tied": tied / len(groups),
-            "episodes": len(episodes), "frac_truncated": sum(e.truncated for e in episodes) / len(episodes),
-            "turns_mean": sum(len(e.turns) for e in episodes) / len(episodes),
-            "tokens_sampled": sum(len(t.action) for e in episodes for t in e.turns),
-            "tokens_trained": sum(d.model_input.length for d in datums), "datums": len(datums),
-            "loss_fn": args.loss_fn, "loss_fn_config": config_loss, "learning_rate": args.learning_rate,
-            **fb_metrics,
-            "seconds_sampler_weights": t1 - t0, "seconds_sampling": t2 - t1, "seconds_training": train_seconds,
-            "tasks": task_indices, "group_seeds": seeds,
-        }
-        for key in sorted({k for e in episodes for k in e.info}):
-            row[f"env/{key}"] = sum(e.info.get(key, 0) for e in episodes)
-        append_row(metrics_path, row)
-        first_reward = mean if first_reward is None else first_reward
-        last_reward = mean
-        kl = fb_metrics.get("kl_sample_train_v1")
-        print(f"iter {it + 1}/{args.iterations} | reward {mean:.3f} ± {row['reward_std']:.3f} | "
-              f"tied {row['frac_groups_tied']:.2f} | trunc {row['frac_truncated']:.2f} | "
-              f"loss {fb_metrics.get('loss_sum', float('nan')):.4g} | kl {kl if kl is not None else float('nan'):.2e} | "
-              f"sample {t2 - t1:.1f}s | train {train_seconds:.1f}s", file=sys.stderr)
-        done = it + 1
-        epoch = done * args.batch_size // len(tasks)
-        if args.save_every and done % args.save_every == 0 and done < args.iterations:
-            save_checkpoint(tc, log, f"{done:06d}", done, epoch, fmt)
-
-    if start < args.iterations or not resume_row or resume_row.get("name") != "final":
-        final = save_checkpoint(tc, log, "final", args.iterations, args.iterations * args.batch_size // len(tasks),
-                                fmt, final=True)
-    else:
-        final = resume_row
-    emit({"status": "ok", "log_path": str(log), "iterations": args.iterations,
-          "state_path": final["state_path"], "sampler_path": final["sampler_path"],
-          "reward": {"first": first_reward, "last": last_reward}, "loss_fn": args.loss_fn, "format": fmt,
-          "sampling": {"model_path": final["sampler_path"], "stop": fmt["stop"],
-                       "hint": f"python tinker_infer.py --run {log}"}})
-    return 0
-
-
-def emit(obj):
-    print(json.dumps(obj))
-
-
-def cli(argv=None):
-    try:
-        return main(argv)
-    except RLError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: continue with the same command plus --resume", file=sys.stderr)
-        return 130
-    except Exception as e:  # Tinker or runtime failure: one line, the details are in the SDK's log
-        print(f"error: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-        return 1
+        return pricing.resolve_model(model_name).get("context") if pricing else None
+    except Exception:
+        return None
+# ==== END SHARED CODE (sha256 24fd6b6f6eaa) ====
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(run_cli(main))

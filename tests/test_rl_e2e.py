@@ -34,7 +34,7 @@ def small_tasks(monkeypatch, reward):
 
 def run_in_process(local_tinker, monkeypatch, capsys, *argv):
     local_tinker.apply(monkeypatch)
-    code = tinker_rl.cli(["--tokenizer", str(local_tinker.tokenizer_dir), "--lora-rank", "8", *argv])
+    code = tinker_rl.run_cli(tinker_rl.main, ["--tokenizer", str(local_tinker.tokenizer_dir), "--lora-rank", "8", *argv])
     out = capsys.readouterr()
     return code, (json.loads(out.out) if out.out.strip() else None), out.err
 
@@ -75,7 +75,7 @@ def test_ppo_and_cispo_reach_the_server_with_their_clip_thresholds(local_tinker,
     shifted = [lp - 0.5 for lp in seq.logprobs]
     turn = tinker_rl.Turn(prompt, list(seq.tokens), shifted, seq.stop_reason)
     [(tokens, lps, advs, _)] = tinker_rl.episode_sequences([turn], 1.0)
-    datum = tinker_rl.to_datum(tokens, lps, advs)
+    datum = tinker_rl.rl_datum(tokens, lps, advs)
     losses = {}
     for loss_fn, config in [("importance_sampling", None),
                             ("ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
