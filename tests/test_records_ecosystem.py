@@ -1,0 +1,181 @@
+"""Run records readable by the ecosystem (issue 15, item 1): tinkerscope's own run discovery parses a
+run folder written by tinker_sft.py / tinker_rl.py on the local backend, and the records carry the
+field names the tinker-cookbook writes.
+
+What tinkerscope 1.6.1 reads (tinkerscope/api/discovery.py, `scan_runs`):
+  - a run is every folder holding a file named `checkpoints.jsonl`, with a sibling `config.json`;
+  - config.json: `model_name`, `lora_rank`, `learning_rate`, `seed`, `wandb_name`, `wandb_project`,
+    `dataset_builder.common_config.renderer_name` (nested, as the cookbook's chz config dumps it),
+    `dataset_builder.file_path`;
+  - checkpoints.jsonl rows: `name`, `batch`, `epoch`, `state_path`, `sampler_path`; the step it shows is
+    int(name) ("000002" -> 2), else `batch` when it is an int > 0 ("final" needs `batch`);
+  - metrics.jsonl: nothing (the cookbook's names are checked here against our rows instead).
+
+tinkerscope is installed without its dependencies: `pip install tinkerscope==1.6.1` pulls tinker-cookbook,
+which downgrades transformers/tokenizers/huggingface_hub in this venv; discovery needs only python-dotenv.
+The real-run tests fail until the shared run-record code writes these fields (coordinator, issue 15).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+INSTALL = f"{sys.executable} -m pip install --no-deps tinkerscope==1.6.1 python-dotenv"
+# cookbook renderer names a Qwen3-8B run can be recorded with (notes/cookbook-facts.md 1.2)
+QWEN3_RENDERERS = {"qwen3", "qwen3_disable_thinking", "qwen3_instruct"}
+
+DISCOVER = """
+import json
+from tinkerscope.api.discovery import run_to_dict, scan_runs
+print(json.dumps([run_to_dict(r) for r in scan_runs()]))
+"""
+
+
+def tinkerscope_discovery(root, tmp_path):
+    """tinkerscope's own scan of `root`, offline (no TINKER_API_KEY: no probes), as plain dicts.
+
+    Its settings are read once at import from TINKERSCOPE_SCAN_ROOTS, so it runs in a fresh process."""
+    if importlib.util.find_spec("tinkerscope") is None or importlib.util.find_spec("dotenv") is None:
+        pytest.fail(f"tinkerscope is not installed in this venv; install it with: {INSTALL}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "TINKERSCOPE_"))}
+    env.update(TINKERSCOPE_SCAN_ROOTS=str(root), XDG_STATE_HOME=str(tmp_path / "state"))
+    out = subprocess.run([sys.executable, "-c", DISCOVER], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# tinkerscope itself, on the cookbook's shape (pins what the docstring above says it reads)
+
+
+def test_tinkerscope_reads_the_fields_listed_here_from_a_cookbook_shaped_folder(tmp_path):
+    run = tmp_path / "runs" / "cookbook-sft"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({
+        "model_name": "Qwen/Qwen3-8B", "lora_rank": 32, "learning_rate": 2e-4, "seed": 7, "wandb_name": "sft-a",
+        "renderer_name": "top-level-is-not-read",
+        "dataset_builder": {"common_config": {"renderer_name": "qwen3"}, "file_path": "data.jsonl"}}))
+    (run / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"name": "000010", "batch": 10, "epoch": 0, "state_path": "tinker://a/weights/000010",
+         "sampler_path": "tinker://a/sampler_weights/000010"},
+        {"name": "final", "batch": 20, "epoch": 1, "final": True, "state_path": "tinker://a/weights/final",
+         "sampler_path": "tinker://a/sampler_weights/final"}]) + '{"name": "torn')
+    [found] = tinkerscope_discovery(tmp_path / "runs", tmp_path)
+    assert found["run_dir"] == str(run.resolve()) and found["config_error"] is None
+    assert (found["name"], found["base_model"], found["renderer_name"]) == ("sft-a", "Qwen/Qwen3-8B", "qwen3")
+    assert (found["lora_rank"], found["learning_rate"], found["seed"]) == (32, 2e-4, 7)
+    assert [(c["name"], c["step"], c["batch"], c["epoch"]) for c in found["checkpoints"]] == \
+        [("000010", 10, 10, 0), ("final", 20, 20, 1)]
+    assert found["checkpoints"][1]["sampler_path"] == "tinker://a/sampler_weights/final"
+    assert found["sampleable"] is None  # offline: unknown, never guessed
+
+
+# ---------------------------------------------------------------------------------------------
+# our runs (local backend)
+
+
+@pytest.fixture(scope="module")
+def sft_run(local_tinker, tmp_path_factory):
+    log = tmp_path_factory.mktemp("eco") / "runs" / "sft"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "tinker_sft.py"), "--data", str(ROOT / "templates" / "sft_example.jsonl"),
+         "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model, "--batch-size", "4",
+         "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-2",
+         "--lora-rank", "8", "--num-probes", "0", "--log-path", str(log)],
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return log
+
+
+RL_RUN = """
+import sys
+sys.path.insert(0, {scripts!r})
+import tinker_rl
+
+tinker_rl.TASKS = [{{"id": i}} for i in range(4)]
+tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
+tinker_rl.reward = lambda task, text: sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
+sys.exit(tinker_rl.run_cli(tinker_rl.main, sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def rl_run(local_tinker, tmp_path_factory):
+    log = tmp_path_factory.mktemp("eco") / "runs" / "rl"
+    out = subprocess.run(
+        [sys.executable, "-c", RL_RUN.format(scripts=str(SCRIPTS)), "--tokenizer", str(local_tinker.tokenizer_dir),
+         "--model-name", local_tinker.model, "--lora-rank", "8", "--batch-size", "2", "--group-size", "4",
+         "--max-tokens", "8", "--iterations", "2", "--save-every", "1", "--learning-rate", "0.003",
+         "--seed", "0", "--log-path", str(log)],
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return log
+
+
+def assert_tinkerscope_sees_the_run(log, tmp_path, local_tinker):
+    config = json.loads((log / "config.json").read_text())
+    ours = rows(log / "checkpoints.jsonl")
+    [found] = [r for r in tinkerscope_discovery(log.parent, tmp_path) if r["run_dir"] == str(log.resolve())]
+    assert found["config_error"] is None
+    assert found["base_model"] == config["model_name"] == local_tinker.model
+    assert (found["lora_rank"], found["learning_rate"], found["seed"]) == \
+        (config["lora_rank"], config["learning_rate"], config["seed"])
+    assert found["renderer_name"] in QWEN3_RENDERERS, found["renderer_name"]
+    assert [c["name"] for c in found["checkpoints"]] == [r["name"] for r in ours]
+    assert [(c["state_path"], c["sampler_path"]) for c in found["checkpoints"]] == \
+        [(r["state_path"], r["sampler_path"]) for r in ours]
+    # the step tinkerscope shows is ours: "final" gets it from `batch`
+    assert [c["step"] for c in found["checkpoints"]] == [r["step"] for r in ours]
+    assert found["checkpoints"][-1]["sampler_path"], "the final row must carry a sampler path to chat with"
+
+
+@pytest.mark.e2e
+def test_tinkerscope_discovers_our_sft_run_with_its_checkpoints(sft_run, tmp_path, local_tinker):
+    assert_tinkerscope_sees_the_run(sft_run, tmp_path, local_tinker)
+
+
+@pytest.mark.e2e
+def test_tinkerscope_discovers_our_rl_run_with_its_checkpoints(rl_run, tmp_path, local_tinker):
+    assert_tinkerscope_sees_the_run(rl_run, tmp_path, local_tinker)
+
+
+@pytest.mark.e2e
+def test_sft_record_carries_the_cookbook_field_names(sft_run):
+    config = json.loads((sft_run / "config.json").read_text())
+    assert config["dataset_builder"]["common_config"]["renderer_name"] in QWEN3_RENDERERS
+    for r in rows(sft_run / "checkpoints.jsonl"):
+        assert r["batch"] == r["next_batch"] and isinstance(r["epoch"], int)
+    assert rows(sft_run / "checkpoints.jsonl")[-1].get("final") is True
+    metrics = rows(sft_run / "metrics.jsonl")
+    for m in metrics:  # the cookbook's names next to ours, same numbers
+        assert m["train_mean_nll"] == m["loss"]
+        assert m["num_tokens"] == m["tokens"] and m["num_loss_tokens"] == m["trained_tokens"]
+        assert m["progress"] == pytest.approx(m["step"] / len(metrics))
+    held_out = {r["step"]: r["nll"] for r in rows(sft_run / "eval.jsonl") if r.get("when") == "during"}
+    assert held_out and all(m["test/nll"] == held_out[m["step"]] for m in metrics if m["step"] in held_out)
+
+
+@pytest.mark.e2e
+def test_rl_record_carries_the_cookbook_field_names(rl_run):
+    config = json.loads((rl_run / "config.json").read_text())
+    assert config["dataset_builder"]["common_config"]["renderer_name"] in QWEN3_RENDERERS
+    for r in rows(rl_run / "checkpoints.jsonl"):
+        assert r["batch"] == r["next_iteration"] and isinstance(r["epoch"], int)
+    for m in rows(rl_run / "metrics.jsonl"):
+        assert m["env/all/reward/total"] == m["reward_mean"]
+        tied = m["by_group/frac_all_good"] + m["by_group/frac_all_bad"]
+        assert tied == pytest.approx(m["frac_groups_tied"]) and m["by_group/frac_mixed"] == pytest.approx(1 - tied)
+        assert m["optim/kl_sample_train_v1"] == m["kl_sample_train_v1"]
