@@ -101,6 +101,12 @@ def test_report_with_a_rollout_trace_renders_in_chromium(tmp_path):
     assert "<script>alert(1)</script>" not in dom and "&lt;script&gt;alert(1)&lt;/script&gt;" in dom
 
 
+def test_without_chromium_the_browser_test_fails_naming_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", str(tmp_path / "no-chromium"))
+    with pytest.raises(pytest.fail.Exception, match=re.escape(INSTALL)):
+        chromium(tmp_path / "profile", "--version")
+
+
 # ---------------------------------------------------------------------------------------------
 # real runs on the local backend
 
