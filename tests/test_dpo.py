@@ -259,3 +259,16 @@ def test_the_script_copied_alone_shows_help_and_dry_runs(offline_tokenizer, tmp_
     assert (result["status"], result["pairs"], result["usd"]) == ("dry_run", 8, None)
     assert "no dollar estimate: tinker_pricing.py is not beside this script" in out.stderr
     assert (alone / "runs" / "dpo" / "datums.jsonl").exists()
+
+
+def test_raw_format_pairs_share_the_prompt_text_and_train_the_answer_plus_eos(offline_tokenizer):
+    tok = tinker_dpo.load_tokenizer(offline_tokenizer("Qwen3-8B-Base"))
+    fmt = tinker_dpo.resolve_format("auto", "Qwen/Qwen3-8B-Base", tok, "Qwen3-8B-Base")
+    assert fmt["kind"] == "raw"
+    raw = tinker_dpo.validate_pair({"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " 5, I think"}, 1)
+    (pair,) = tinker_dpo.render_pairs([raw], tok, fmt, 10**6)
+    n = pair.prompt_tokens
+    assert pair.chosen.tokens[:n] == pair.rejected.tokens[:n] == tok.encode("Q: 2+2?\nA:", add_special_tokens=False)
+    assert tok.decode(pair.chosen.tokens[n:]) == " 4" + tok.eos_token
+    assert tok.decode(pair.rejected.tokens[n:]) == " 5, I think" + tok.eos_token
+    assert pair.rejected.weights == [0.0] * n + [1.0] * (len(pair.rejected.tokens) - n)
