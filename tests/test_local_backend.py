@@ -22,6 +22,7 @@ import pytest
 import tinker_local
 
 SCRIPT = Path(tinker_local.__file__).resolve()
+SERVER = tinker_local.SERVER
 TEXTS = [f"The quick brown fox number {i} jumps over the lazy dog near the river bank."
          for i in range(8)]
 
@@ -382,7 +383,7 @@ def test_a_sampler_checkpoint_is_served_apart_from_the_client_that_saved_it(loca
 def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
     """If a skyrl release closes a gap, this fails: retire that shim rather than carry it."""
     venv, home = installed
-    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SCRIPT), "_server", "gaps"],
+    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SERVER), "gaps"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     gaps = json.loads(done.stdout.strip().splitlines()[-1])
@@ -400,9 +401,9 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
 
 @pytest.mark.e2e
 def test_shims_apply_to_the_installed_versions(installed):
-    """`_server check` applies every shim and fails loudly on another skyrl or tinker version."""
+    """`check` applies every shim and fails loudly on another skyrl or tinker version."""
     venv, _ = installed
-    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SCRIPT), "_server", "check"],
+    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SERVER), "check"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "shims ok: skyrl 0.4.0, tinker 0.38.0" in done.stdout
@@ -443,9 +444,10 @@ def test_tiny_model_build_is_byte_identical(installed, tmp_path):
     import hashlib
     venv, home = installed
     installed_model = tinker_local.tiny_model_dir(home)
-    key = json.loads((installed_model / "tinker-local-model.json").read_text())["config"]
-    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SCRIPT), "_build_model",
-                           str(tmp_path / "tiny"), key], capture_output=True, text=True, timeout=600)
+    spec = tinker_local.tiny_model_spec()
+    assert json.loads((installed_model / "tinker-local-model.json").read_text())["config"] == spec["key"]
+    done = subprocess.run([str(tinker_local.venv_python(venv)), str(SERVER), "build-model",
+                           str(tmp_path / "tiny"), json.dumps(spec)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):

