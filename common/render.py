@@ -10,8 +10,11 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
+import multiprocessing
 import os
+from pathlib import Path
 
 from errors import DataError, RenderError  # splice: drop
 
@@ -366,8 +369,35 @@ def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) 
     return raw_format(tokenizer, name=tokenizer_name)
 
 
-def render_all(examples, tokenizer, fmt, train_on) -> list:
-    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+POOL_MIN_EXAMPLES = 2000  # below this a process pool costs more than it saves
+CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not worth a file
+_POOL_JOB = None  # (tokenizer, fmt, train_on), inherited by forked render workers
+
+
+def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line.
+
+    Large sets render in a process pool over every core (forked, so each worker inherits the tokenizer;
+    the per-datum checks run unchanged in the workers). With cache_dir, the result is kept in a file keyed
+    by (examples, tokenizer, format, train_on, rendering code), so a --resume or a real run after a dry run
+    reads it back instead of rendering again."""
+    path = None
+    if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
+        path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
+        cached = _read_render_cache(path)
+        if cached is not None:
+            return cached
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods():
+        out = _render_in_pool(examples, tokenizer, fmt, train_on, workers)
+    else:
+        out = _render_serial(examples, tokenizer, fmt, train_on)
+    if path is not None:
+        _write_render_cache(path, out)
+    return out
+
+
+def _render_serial(examples, tokenizer, fmt, train_on) -> list:
     out = []
     for ex in examples:
         try:
@@ -375,6 +405,55 @@ def render_all(examples, tokenizer, fmt, train_on) -> list:
         except RenderError as e:
             raise RenderError(f"line {ex['line']}: {e}") from None
     return out
+
+
+def _render_chunk(chunk):
+    tokenizer, fmt, train_on = _POOL_JOB
+    return [(line, r.tokens, r.weights) for line, r in _render_serial(chunk, tokenizer, fmt, train_on)]
+
+
+def _render_in_pool(examples, tokenizer, fmt, train_on, workers) -> list:
+    global _POOL_JOB
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
+    size = min(max(len(examples) // (workers * 8), 200), 5000)
+    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
+    _POOL_JOB = (tokenizer, fmt, train_on)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_render_chunk, chunks)
+    finally:
+        _POOL_JOB = None
+    return [(line, Rendered(tokens, weights)) for part in parts for line, tokens, weights in part]
+
+
+def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
+    """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
+    special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
+    h = hashlib.sha256()
+    h.update(json.dumps([examples, fmt, train_on], sort_keys=True, default=str).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    with contextlib.suppress(OSError, TypeError):  # the code that renders and masks, as it runs now
+        h.update("".join(inspect.getsource(f) for f in (render_example, _render_chat_turn, _apply_template,
+                                                         generation_prompt, _merge_extensions)).encode())
+    return h.hexdigest()[:32]
+
+
+def _read_render_cache(path):
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return [(line, Rendered(tokens, weights)) for line, tokens, weights in rows]
+
+
+def _write_render_cache(path, rendered) -> None:
+    """Atomic, and never fatal: a read-only or full disk only costs the next run a render."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([[line, r.tokens, r.weights] for line, r in rendered]), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def apply_length_limit(rendered, limit, mode):

@@ -1,0 +1,168 @@
+"""tinker_sft.py --rehearse: the built-in memorisable set, the checks that prove the pipeline learnt, and
+that a wrong loss mask fails the rehearsal. Offline with recording stand-ins; the last test runs README's
+rehearsal against the local backend (e2e)."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import tinker_sft as sft
+from test_sft_loop import RecordingService, RecordingTrainingClient
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "tinker_sft.py"
+
+
+def jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_the_built_in_rehearsal_set_is_the_one_in_templates():
+    assert jsonl(ROOT / "templates" / "sft_rehearsal.jsonl") == sft.REHEARSAL_TRAIN
+    assert jsonl(ROOT / "templates" / "sft_rehearsal_test.jsonl") == sft.REHEARSAL_TEST
+    questions = {m["content"] for ex in sft.REHEARSAL_TRAIN for m in ex["messages"] if m["role"] == "user"}
+    assert not questions & {m["content"] for ex in sft.REHEARSAL_TEST for m in ex["messages"]}
+
+
+class LearningClient(RecordingTrainingClient):
+    """A training client whose held-out NLL is 2.0 per token before any optim_step and 0.5 after."""
+
+    def _output(self, data):
+        lp = -2.0 if self.optim_steps == 0 else -0.5
+        outs = [{"logprobs": _Logprobs([lp] * d.model_input.length)} for d in data]
+        return SimpleNamespace(loss_fn_outputs=outs, metrics={"loss:sum": 1.0})
+
+
+class _Logprobs(list):
+    def tolist(self):
+        return list(self)
+
+
+class AnsweringSampler:
+    """Greedy sampler stand-in: answers a prompt with `answers[prompt tokens]` (token ids), else nothing."""
+
+    def __init__(self, answers):
+        self.answers = answers
+
+    def sample(self, prompt, num_samples, params):
+        seq = SimpleNamespace(tokens=[*self.answers.get(tuple(prompt.to_ints()), []), 151645])
+        return SimpleNamespace(result=lambda: SimpleNamespace(sequences=[seq]))
+
+
+class RehearsalService(RecordingService):
+    """The base model answers nothing; the final sampler answers `learnt` (prompt tokens -> answer ids)."""
+
+    def __init__(self, learnt):
+        super().__init__()
+        self.learnt = learnt
+
+    def _client(self, how, arg):
+        tc = LearningClient(self.events, f"run{len(self.created)}")
+        self.created.append((how, arg, tc))
+        return SimpleNamespace(result=lambda: tc)
+
+    def create_sampling_client(self, base_model=None, model_path=None):
+        return SimpleNamespace(result=lambda: AnsweringSampler(self.learnt if model_path else {}))
+
+
+@pytest.fixture(scope="module")
+def qwen3(offline_tokenizer):
+    path = offline_tokenizer("Qwen3-8B")
+    tok = sft.load_tokenizer(path)
+    return path, tok, sft.chat_format(tok, name=sft.tokenizer_record(path))
+
+
+def learnt_answers(tok, fmt, wrong=()):
+    """Prompt tokens of each built-in training question -> the token ids of its answer (or of 'No.')."""
+    out = {}
+    for ex in sft.REHEARSAL_TRAIN:
+        msgs = ex["messages"]
+        answer = "No." if msgs[0]["content"] in wrong else msgs[1]["content"]
+        out[tuple(sft.generation_prompt(msgs[:1], tok, fmt))] = tok.encode(answer)
+    return out
+
+
+def rehearse(monkeypatch, tmp_path, service, tokenizer_path, *flags):
+    monkeypatch.setattr(sft, "connect", lambda model_name, **_: (service, 40960))
+    return sft.main(["--rehearse", "--tokenizer", tokenizer_path, "--log-path", str(tmp_path / "log"),
+                     "--max-steps", "4", *flags])
+
+
+def test_a_rehearsal_that_learnt_passes_every_check(monkeypatch, tmp_path, capsys, qwen3):
+    path, tok, fmt = qwen3
+    assert rehearse(monkeypatch, tmp_path, RehearsalService(learnt_answers(tok, fmt)), path) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["rehearsal"]["passed"] is True
+    assert [c["passed"] for c in report["rehearsal"]["checks"]] == [True, True, True]
+    probes = report["eval"]["probes"]
+    assert [(p["before"], p["after"]) for p in probes] == [("", ex["messages"][1]["content"]) for ex in sft.REHEARSAL_TRAIN]
+    assert (report["eval"]["nll_before"], report["eval"]["nll_after"]) == (2.0, 0.5)
+    # the newcomer's summary: what was trained, probes, record, cost, next command
+    summary = out.err[out.err.index("==== what happened ===="):]
+    assert "the built-in rehearsal set" in summary and "held-out NLL per token  2.000 -> 0.500" in summary
+    assert "'What colour is the sky?'  expected 'Blue.'  before ''  after 'Blue.'" in summary
+    assert f"record   {tmp_path / 'log'}/" in summary and re.search(r"on Tinker this run would cost about \$\d", summary)
+    assert f"tinker_infer.py --run {tmp_path / 'log'} --prompt 'What colour is the sky?'" in summary
+
+
+def test_a_rehearsal_whose_probes_did_not_learn_fails_with_exit_1(monkeypatch, tmp_path, capsys, qwen3):
+    path, tok, fmt = qwen3
+    service = RehearsalService(learnt_answers(tok, fmt, wrong={"Which way does rain fall?"}))
+    with pytest.raises(sft.ScriptError, match=r"rehearsal check failed: after-training probes reproduce the "
+                                              r"trained answers \(3/4\)") as failed:
+        rehearse(monkeypatch, tmp_path, service, path)
+    assert failed.value.exit_code == 1
+    report = json.loads(capsys.readouterr().out)  # the run record and the report are still there
+    assert report["rehearsal"]["passed"] is False and (tmp_path / "log" / "checkpoints.jsonl").exists()
+
+
+@pytest.mark.parametrize("breakage", ["prompt tokens trained", "end-of-turn token not trained", "shifted by one"])
+def test_a_broken_loss_mask_fails_the_rehearsal_before_anything_is_trained(monkeypatch, tmp_path, qwen3, breakage):
+    path, tok, fmt = qwen3
+    real = sft.render_example
+
+    def broken(example, tokenizer, fmt, train_on="last-assistant"):
+        out = []
+        for r in real(example, tokenizer, fmt, train_on):
+            if breakage == "prompt tokens trained":
+                weights = [1.0] * len(r.weights)
+            elif breakage == "end-of-turn token not trained":
+                weights = r.weights[:-1] + [0.0]
+            else:
+                weights = r.weights[1:] + [0.0]
+            out.append(sft.Rendered(r.tokens, weights))
+        return out
+
+    monkeypatch.setattr(sft, "render_example", broken)
+    service = RehearsalService(learnt_answers(tok, fmt))
+    with pytest.raises(sft.ScriptError, match=r"rehearsal check failed: the loss mask of line 1 of the built-in set "
+                                              r"trains .* expected only the answer 'Blue\.' followed by '<\|im_end\|>'"):
+        rehearse(monkeypatch, tmp_path, service, path)
+    assert service.created == [] and not (tmp_path / "log").exists()
+
+
+@pytest.mark.e2e
+def test_readme_rehearsal_learns_on_the_local_backend(local_tinker, tmp_path):
+    """README's first command runs `tinker_sft.py --rehearse` on the local backend: the probes must show it."""
+    readme = (ROOT / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].splitlines()[0]
+    command = first.split("tinker_local.py run -- ", 1)[1].split()
+    assert command[1:3] == ["scripts/tinker_sft.py", "--rehearse"], command
+    log = tmp_path / "rehearsal"
+    out = subprocess.run([sys.executable, str(SCRIPT), "--rehearse", "--log-path", str(log),
+                          "--tokenizer", str(local_tinker.tokenizer_dir), *command[3:]],
+                         capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["rehearsal"]["passed"], report["rehearsal"]
+    probes = report["eval"]["probes"]
+    assert [p["after"].strip() for p in probes] == [p["expected"] for p in probes]
+    assert all(p["before"].strip() != p["expected"] for p in probes)
+    assert report["eval"]["nll_after"] <= report["eval"]["nll_before"] / 2
+    assert "==== what happened ====" in out.stderr and "tinker_infer.py --run" in out.stderr
