@@ -243,8 +243,9 @@ def figures(run):
                                      name="1 - by_group/frac_mixed", mode="lines+markers"))
         chart("tied", "Groups tied (no signal) and episodes truncated", traces, it, "fraction")
         traces = []
-        for key in ("kl_sample_train_v1", "kl_sample_train_v2", "optim/kl_sample_train_v1", "optim/kl_sample_train_v2"):
-            if first_key(m, key):
+        for version in ("v1", "v2"):  # our name, else the cookbook's (a record may carry both: draw one)
+            key = first_key(m, f"kl_sample_train_{version}", f"optim/kl_sample_train_{version}")
+            if key:
                 kx, ky = series(m, it, key)
                 traces.append(go.Scatter(x=kx, y=ky, name=key, mode="lines+markers"))
         chart("kl", "KL sampler vs learner on the sampled tokens (stable training: below about 0.01)",

@@ -177,6 +177,20 @@ def test_cookbook_metric_names_are_drawn_too(tmp_path):
     assert trace(figs["kl"], "optim/kl_sample_train_v1")["y"] == [0.001] * 3
 
 
+def test_a_record_with_both_our_names_and_the_cookbooks_draws_each_curve_once(tmp_path):
+    run = tmp_path / "both"
+    run.mkdir()
+    write_rows(run / "metrics.jsonl", [{"iteration": i, "step": i, "reward_mean": 0.5, "env/all/reward/total": 0.5,
+                                        "frac_groups_tied": 0.25, "by_group/frac_mixed": 0.75,
+                                        "kl_sample_train_v1": 0.002, "optim/kl_sample_train_v1": 0.002}
+                                       for i in range(2)])
+    assert run_report(run)[0] == 0
+    figs = figures_in((run / "report.html").read_text())
+    assert [t["name"] for t in figs["reward"]["data"]] == ["reward_mean"]
+    assert [t["name"] for t in figs["tied"]["data"]] == ["frac_groups_tied"]
+    assert [t["name"] for t in figs["kl"]["data"]] == ["kl_sample_train_v1"]
+
+
 # ---------------------------------------------------------------------------------------------
 # a run in progress
 
