@@ -139,14 +139,16 @@ def parse_args(argv=None):
 
 
 def check_settings(args):
-    """Every numeric flag finite and in range: the same check for --dry-run and the real run, before
-    any file is read or written (a dry run that passes settings the real run cannot use is no audit)."""
+    """Every numeric flag finite and in range, and a --log-path that can be written: the same checks for
+    --dry-run and the real run, before any file is read or written (a dry run that passes settings the
+    real run cannot use is no audit)."""
     check_numbers(args, {
         "learning_rate": dict(low=0, low_open=True), "test_fraction": dict(low=0, high=1, high_open=True),
         "batch_size": dict(low=1), "epochs": dict(low=1), "max_steps": dict(low=1), "lora_rank": dict(low=1),
         "warmup_steps": dict(low=0), "eval_every": dict(low=0), "eval_samples": dict(low=0),
         "num_probes": dict(low=0), "max_tokens": dict(low=1), "save_every": dict(low=0),
         "max_length": dict(low=2), "max_usd": dict(low=0)})
+    check_writable_dir(args.log_path, "--log-path")
 
 
 # ==== EDIT ME: load_dataset() ====
