@@ -111,8 +111,13 @@ SAMPLE_FLAG_RULES = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line with the next step, not argparse's usage block
+        self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
+
+
 def sample_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="tinker_infer.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Checkpoint commands: tinker_infer.py checkpoints {list,resolve,export,merge} --help\n\n"
@@ -149,9 +154,9 @@ def sample_parser() -> argparse.ArgumentParser:
 
 
 def checkpoints_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tinker_infer.py checkpoints", description="Find, export and merge checkpoints.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="action", required=True)
+    p = Parser(prog="tinker_infer.py checkpoints", description="Find, export and merge checkpoints.",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="action", required=True, parser_class=Parser)
     ls = sub.add_parser("list", help="checkpoints, newest first: path, type, size, expiry")
     ls.add_argument("--run", metavar="RUN_ID|LOG_DIR", help="only this run's checkpoints")
     ls.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100; 0 = all)")
@@ -253,11 +258,12 @@ def sample_sdk(args, rows: list[dict], model: str, recorded: dict | None, tokeni
     is_path = model.startswith("tinker://")
     if is_path:
         check_sampler_path(model)
-    # A tokenizer named by the flags, the run record or the base model loads before any request.
-    tokenizer = load_sampling_tokenizer(tokenizer_name or (None if is_path else model))
+    # Credentials, reachability and (for a base model) the served-model check, then the tokenizer named by
+    # the flags, the run record or the base model: all before the first sampling request.
     service, _ = connect(None if is_path else model, trainable=False, flag="--model")
     status = "errored"
     try:
+        tokenizer = load_sampling_tokenizer(tokenizer_name or (None if is_path else model))
         try:
             future = (service.create_sampling_client(model_path=model) if is_path
                       else service.create_sampling_client(base_model=model))
@@ -641,12 +647,12 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
 
 # ==== checkpoints: list / resolve ====
 def cmd_list(args) -> dict:
-    import tinker
-
     check_numbers(args, {"limit": dict(low=0)})
     run = run_id_of(args.run) if args.run else None
     require_credentials()
     check_reachable()
+    import tinker
+
     rest = rest_client()
     try:
         if run:
@@ -842,10 +848,13 @@ def download(url: str, dest: Path, headers: dict | None = None, label: str = "")
                     for h in hashes.values():
                         h.update(chunk)
                     progress.update(task, advance=len(chunk))
-    except httpx.TransportError as e:  # DNS failure, refused, reset, timeout: nothing is kept
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # DNS failure, refused: nothing was received
         host = httpx.URL(url).host
-        raise AccessError(f"cannot download {label or dest.name} from {host} ({type(e).__name__}: {one_line(e, 120)}); "
+        raise AccessError(f"cannot download {label or dest.name}: cannot reach {host} ({one_line(e, 120)}); "
                           "check the network, then run the export again") from None
+    except httpx.TransportError as e:  # cut off mid-transfer: the staging folder is discarded
+        raise ScriptError(f"download of {label or dest.name} stopped at {size} bytes ({type(e).__name__}: "
+                          f"{one_line(e, 120)}); next: run the export again") from None
     if total is not None and size != total:
         raise ScriptError(f"download of {label or url} stopped at {size} of {total} bytes; next: run the export again")
     for algo, want in digests.items():
@@ -1328,8 +1337,11 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
+import multiprocessing
 import os
+from pathlib import Path
 
 
 FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
@@ -1683,8 +1695,35 @@ def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) 
     return raw_format(tokenizer, name=tokenizer_name)
 
 
-def render_all(examples, tokenizer, fmt, train_on) -> list:
-    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+POOL_MIN_EXAMPLES = 2000  # below this a process pool costs more than it saves
+CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not worth a file
+_POOL_JOB = None  # (tokenizer, fmt, train_on), inherited by forked render workers
+
+
+def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line.
+
+    Large sets render in a process pool over every core (forked, so each worker inherits the tokenizer;
+    the per-datum checks run unchanged in the workers). With cache_dir, the result is kept in a file keyed
+    by (examples, tokenizer, format, train_on, rendering code), so a --resume or a real run after a dry run
+    reads it back instead of rendering again."""
+    path = None
+    if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
+        path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
+        cached = _read_render_cache(path)
+        if cached is not None:
+            return cached
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods():
+        out = _render_in_pool(examples, tokenizer, fmt, train_on, workers)
+    else:
+        out = _render_serial(examples, tokenizer, fmt, train_on)
+    if path is not None:
+        _write_render_cache(path, out)
+    return out
+
+
+def _render_serial(examples, tokenizer, fmt, train_on) -> list:
     out = []
     for ex in examples:
         try:
@@ -1692,6 +1731,55 @@ def render_all(examples, tokenizer, fmt, train_on) -> list:
         except RenderError as e:
             raise RenderError(f"line {ex['line']}: {e}") from None
     return out
+
+
+def _render_chunk(chunk):
+    tokenizer, fmt, train_on = _POOL_JOB
+    return [(line, r.tokens, r.weights) for line, r in _render_serial(chunk, tokenizer, fmt, train_on)]
+
+
+def _render_in_pool(examples, tokenizer, fmt, train_on, workers) -> list:
+    global _POOL_JOB
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
+    size = min(max(len(examples) // (workers * 8), 200), 5000)
+    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
+    _POOL_JOB = (tokenizer, fmt, train_on)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_render_chunk, chunks)
+    finally:
+        _POOL_JOB = None
+    return [(line, Rendered(tokens, weights)) for part in parts for line, tokens, weights in part]
+
+
+def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
+    """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
+    special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
+    h = hashlib.sha256()
+    h.update(json.dumps([examples, fmt, train_on], sort_keys=True, default=str).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    with contextlib.suppress(OSError, TypeError):  # the code that renders and masks, as it runs now
+        h.update("".join(inspect.getsource(f) for f in (render_example, _render_chat_turn, _apply_template,
+                                                         generation_prompt, _merge_extensions)).encode())
+    return h.hexdigest()[:32]
+
+
+def _read_render_cache(path):
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return [(line, Rendered(tokens, weights)) for line, tokens, weights in rows]
+
+
+def _write_render_cache(path, rendered) -> None:
+    """Atomic, and never fatal: a read-only or full disk only costs the next run a render."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([[line, r.tokens, r.weights] for line, r in rendered]), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def apply_length_limit(rendered, limit, mode):
@@ -2029,7 +2117,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 f0dd45c6b422) ====
+# ==== END SHARED CODE (sha256 8a6a47a55417) ====
 
 
 if __name__ == "__main__":

@@ -392,8 +392,20 @@ def resolve_model(name: str, context: int | None = None, rows: list[dict] | None
 # ==== TOKEN COUNTS (shared with tinker_sft.py / tinker_rl.py) ====
 
 def _tokens(prefill=0, cached_prefill=0, sample=0, train=0) -> dict:
-    return {"prefill": round(prefill), "cached_prefill": round(cached_prefill),
-            "sample": round(sample), "train": round(train)}
+    counts = {"prefill": prefill, "cached_prefill": cached_prefill, "sample": sample, "train": train}
+    return {kind: round(_finite(kind, value)) for kind, value in counts.items()}
+
+
+def _finite(kind: str, value):
+    """value if it is a finite count a float can hold, else ValueError (never OverflowError)."""
+    try:
+        finite = math.isfinite(float(value))
+    except OverflowError:  # an int beyond float range
+        finite = False
+    if not finite:
+        raise ValueError(f"the {kind} token count overflows (sizes multiply to more than 1e308); "
+                         "expected the sizes of a real run: lower the counts and lengths you passed")
+    return value
 
 
 def sft_tokens(examples: int, avg_tokens: float, epochs: float = 1) -> dict:
@@ -430,7 +442,11 @@ def rl_tokens(iterations: int, tasks_per_iter: int, group_size: int, avg_prompt:
         "train": g * (p + t * c + (t - 1) * o),
     }
     groups = iterations * tasks_per_iter
-    return _tokens(**{kind: groups * count for kind, count in per_group.items()})
+    try:
+        totals = {kind: groups * count for kind, count in per_group.items()}
+    except OverflowError:  # an int product beyond float range meets a float factor
+        totals = {kind: math.inf for kind in per_group}
+    return _tokens(**totals)
 
 
 def count_sft_tokens(path: str | os.PathLike, tokenizer, max_length: int | None = None) -> dict:
@@ -445,36 +461,41 @@ def count_sft_tokens(path: str | os.PathLike, tokenizer, max_length: int | None 
     has_template = bool(getattr(tokenizer, "chat_template", None))
     examples = total = longest = 0
     try:
-        fh = open(path, encoding="utf-8")
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    with fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no} is not JSON ({exc.msg})") from None
-            row = row if isinstance(row, dict) else {}
-            messages = row.get("messages")
-            if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-                if has_template:
-                    messages = [{"role": "user", "content": row["prompt"]},
-                                {"role": "assistant", "content": row["completion"]}]
-                else:
-                    row = {"text": row["prompt"] + row["completion"]}
-            if isinstance(messages, list):
-                ids = tokenizer.apply_chat_template(messages, tokenize=True)
-                ids = ids if isinstance(ids, list) else ids["input_ids"]
-            elif isinstance(row.get("text"), str):
-                ids = tokenizer.encode(row["text"])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path} line {line} (byte {exc.start}): not UTF-8 ({exc.reason}); re-save the file as "
+                         "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{line_no} is not JSON ({exc.msg})") from None
+        row = row if isinstance(row, dict) else {}
+        messages = row.get("messages")
+        if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+            if has_template:
+                messages = [{"role": "user", "content": row["prompt"]},
+                            {"role": "assistant", "content": row["completion"]}]
             else:
-                raise ValueError(f"{path}:{line_no} needs \"messages\", \"prompt\"+\"completion\" or \"text\"")
-            length = min(len(ids), max_length) if max_length else len(ids)
-            examples += 1
-            total += max(length - 1, 0)
-            longest = max(longest, length)
+                row = {"text": row["prompt"] + row["completion"]}
+        if isinstance(messages, list):
+            ids = tokenizer.apply_chat_template(messages, tokenize=True)
+            ids = ids if isinstance(ids, list) else ids["input_ids"]
+        elif isinstance(row.get("text"), str):
+            ids = tokenizer.encode(row["text"])
+        else:
+            raise ValueError(f"{path}:{line_no} needs \"messages\", \"prompt\"+\"completion\" or \"text\"")
+        length = min(len(ids), max_length) if max_length else len(ids)
+        examples += 1
+        total += max(length - 1, 0)
+        longest = max(longest, length)
     if not examples:
         raise ValueError(f"{path} has no examples")
     return {"examples": examples, "train_tokens": total, "max": longest}
@@ -492,6 +513,7 @@ def estimate_cost(model: str, *, prefill=0, cached_prefill=0, sample=0, train=0,
     for kind, value in [*counts.items(), ("storage_gb_months", storage_gb_months)]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise ValueError(f"{kind} must be a finite number >= 0, got {value!r}")
+        _finite(kind, value)
     row = resolve_model(model, context, rows)
     if train and row["kind"] == "serverless":
         raise ValueError(f"{row['id']} is a serverless inference id: it cannot be trained; "
@@ -827,6 +849,9 @@ def cmd_init(args) -> int:
     rows, meta = _catalogue(args)
     out = Path(args.out)
     target = out / "TINKER_PRICING.md"
+    if out.exists() and not out.is_dir():
+        print(f"error: --out {out} is a file; expected a folder for TINKER_PRICING.md (e.g. --out .)", file=sys.stderr)
+        return 2
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_new_file(target, render_pricing_doc(rows, meta), args.force)
@@ -1037,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
     except BudgetExceeded as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 3
-    except ValueError as exc:  # includes UnknownModelError
+    except (ValueError, OverflowError) as exc:  # includes UnknownModelError; overflow: absurd sizes
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
