@@ -35,6 +35,9 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
     served tiny model anyway;
   - losses: `cross_entropy`, `importance_sampling`, `ppo`, `cispo` work; `gspo` is rejected
     (400), `dro` is rejected (422); `forward_backward_custom` works (needs torch client-side);
+  - OpenAI-compatible `$TINKER_BASE_URL/oai/api/v1/completions` and `/chat/completions` (as
+    `tinker_infer.py --http` calls them) sample the same sampler as the SDK (same seed, same
+    tokens); no streaming and no top logprobs there;
   - no `topk_prompt_logprobs`; LoRA alpha fixed at 32; LoRA rank at most `--max-lora-rank`;
   - no billing, pricing, sessions-list, publish or TTL endpoints, no `list_user_checkpoints`
     (so `tinker checkpoint list` needs `--run-id`);

@@ -89,6 +89,7 @@ def main(argv: list[str]) -> int:
         from skyrl.utils.log import get_uvicorn_log_config
 
         apply_api_shims(api)
+        add_openai_routes(api.app)
         parser = argparse.ArgumentParser(prog="tinker_local_server.py api")
         add_model(parser, EngineConfig)
         parser.add_argument("--listen-fd", type=int, required=True)
@@ -96,6 +97,7 @@ def main(argv: list[str]) -> int:
         api.app.state.engine_config = EngineConfig.model_validate(
             {k: v for k, v in vars(args).items() if k in EngineConfig.model_fields})
         listener = socket.socket(fileno=args.listen_fd)
+        api.app.state.self_url = "http://%s:%d" % listener.getsockname()[:2]
         config = uvicorn.Config(api.app, log_config=get_uvicorn_log_config(),
                                 timeout_keep_alive=api.HTTP_KEEP_ALIVE_TIMEOUT_SECONDS)
         uvicorn.Server(config).run(sockets=[listener])
@@ -432,6 +434,155 @@ def apply_engine_shims() -> None:
     engine.TinkerEngine.run = run_and_signal_ready
 
 
+# ---------------------------------------------------------------- D. OpenAI-compatible endpoints
+
+
+def add_openai_routes(app) -> None:
+    """POST {/oai/api/v1,/v1}/completions and /chat/completions, as Tinker's beta endpoint serves
+    them (`model` = the served name or a tinker://.../sampler_weights/... path, the Tinker key as a
+    Bearer token, chat rendered with the model's own template). Each request is sampled through the
+    SDK against this same server, so it is the sampler the SDK route uses (same seed -> same tokens).
+    Options: max_tokens, temperature, top_p, top_k, n, stop, seed, logprobs (sampled tokens only:
+    top_logprobs / logprobs > 0 alternatives are not served, the JAX backend has no top-k
+    logprobs), chat_template_kwargs (a vLLM extension, e.g. {"enable_thinking": false})."""
+    import asyncio
+    import uuid
+
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    cache: dict = {}
+    lock = threading.Lock()
+
+    def oai_error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+        return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
+                                                                   "code": status}})
+
+    def tokenizer():
+        with lock:
+            if "tokenizer" not in cache:
+                import transformers
+                cfg = app.state.engine_config
+                cache["tokenizer"] = transformers.AutoTokenizer.from_pretrained(
+                    cfg.base_model_checkpoint_path or cfg.base_model)
+            return cache["tokenizer"]
+
+    def sampler(model: str):
+        """A cached SDK sampling client for the served name or a sampler checkpoint path."""
+        import tinker
+        with lock:
+            if "service" not in cache:
+                cache["service"] = tinker.ServiceClient(base_url=app.state.self_url, api_key="tml-local")
+            key = ("sampler", model)
+            if key not in cache:
+                service = cache["service"]
+                cache[key] = (service.create_sampling_client(model_path=model) if model.startswith("tinker://")
+                              else service.create_sampling_client(base_model=model))
+            return cache[key]
+
+    def sample(model: str, prompt: list[int], body: dict, stop: list[str]) -> list:
+        from tinker import types
+        params = types.SamplingParams(
+            max_tokens=int(body.get("max_tokens") or 16), temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", -1)),
+            seed=body.get("seed"), stop=stop)
+        result = sampler(model).sample(types.ModelInput.from_ints(prompt), int(body.get("n") or 1), params).result()
+        return result.sequences
+
+    def choice_text(tok, tokens: list[int], logprobs: list[float], stop: list[str]):
+        """Text up to (not including) the first stop string, OpenAI-style, and the tokens kept."""
+        text = tok.decode(tokens, skip_special_tokens=False)
+        cut = min((text.find(s) for s in stop if s in text), default=-1)
+        if cut < 0:
+            return text, tokens, logprobs, False
+        kept = 0
+        while kept < len(tokens) and len(tok.decode(tokens[:kept + 1], skip_special_tokens=False)) <= cut:
+            kept += 1
+        return text[:cut], tokens[:kept], logprobs[:kept], True
+
+    async def handle(req: Request, chat: bool) -> JSONResponse:
+        auth = req.headers.get("authorization", "")
+        if not auth.startswith("Bearer tml-"):
+            return oai_error(401, "missing or invalid API key: send 'Authorization: Bearer tml-...'",
+                             "authentication_error")
+        try:
+            body = await req.json()
+        except ValueError:
+            return oai_error(400, "the request body is not JSON")
+        model = str(body.get("model") or "")
+        served = app.state.engine_config.base_model
+        if model != served and not (model.startswith("tinker://") and "/sampler_weights/" in model):
+            return oai_error(404, f"model {model!r} is not served here: use {served!r} or a "
+                                  "tinker://<run>/sampler_weights/<name> path", "not_found_error")
+        if body.get("stream"):
+            return oai_error(400, "stream=true is not served by the local backend")
+        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        if (chat and body.get("top_logprobs")) or (not chat and int(body.get("logprobs") or 0) > 0):
+            return oai_error(400, "top logprobs (alternatives per token) are not served by the local "
+                                  "backend (the JAX sampler returns only the sampled token's logprob)")
+        tok = await asyncio.to_thread(tokenizer)
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return oai_error(400, "messages must be a non-empty list")
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           **(body.get("chat_template_kwargs") or {}))
+        else:
+            text = body.get("prompt")
+            if isinstance(text, list) and len(text) == 1:
+                text = text[0]
+            if not isinstance(text, str):
+                return oai_error(400, "prompt must be one string")
+        prompt = tok.encode(text, add_special_tokens=False)
+        user_stop = body.get("stop") or []
+        user_stop = [user_stop] if isinstance(user_stop, str) else list(user_stop)
+        ends = [t for t in (tok.eos_token, "<|endoftext|>") if t and t in tok.get_vocab()]
+        stop = user_stop + [t for t in ends if t not in user_stop]
+        try:
+            sequences = await asyncio.to_thread(sample, model, prompt, body, stop)
+        except Exception as exc:  # the SDK's error carries the server's message
+            message = str(exc).splitlines()[0][:300]
+            status = 404 if "not found" in message.lower() else 400
+            return oai_error(status, f"sampling failed: {message}")
+        choices, completion_tokens = [], 0
+        for i, seq in enumerate(sequences):
+            text_i, tokens, logprobs, stopped = choice_text(tok, list(seq.tokens), list(seq.logprobs or []), stop)
+            completion_tokens += len(seq.tokens)
+            finish = "stop" if stopped or seq.stop_reason == "stop" else "length"
+            pieces = [tok.decode([t], skip_special_tokens=False) for t in tokens]
+            if chat:
+                lp = {"content": [{"token": p, "logprob": l, "bytes": list(p.encode()), "top_logprobs": []}
+                                  for p, l in zip(pieces, logprobs)]} if want_logprobs else None
+                choices.append({"index": i, "message": {"role": "assistant", "content": text_i},
+                                "finish_reason": finish, "logprobs": lp})
+            else:
+                offsets, at = [], len(text)
+                for p in pieces:
+                    offsets.append(at)
+                    at += len(p)
+                lp = {"tokens": pieces, "token_logprobs": logprobs, "top_logprobs": None,
+                      "text_offset": offsets} if want_logprobs else None
+                choices.append({"index": i, "text": text_i, "finish_reason": finish, "logprobs": lp})
+        return JSONResponse({
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices,
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt) + completion_tokens}})
+
+    async def completions(req):
+        return await handle(req, chat=False)
+
+    async def chat_completions(req):
+        return await handle(req, chat=True)
+
+    for endpoint in (completions, chat_completions):
+        endpoint.__annotations__ = {"req": Request}
+    for prefix in ("/oai/api/v1", "/v1"):
+        app.post(prefix + "/completions")(completions)
+        app.post(prefix + "/chat/completions")(chat_completions)
+
+
 def check_shims() -> int:
     """Import skyrl with every shim applied and check the versions they were written for."""
     from importlib.metadata import version
@@ -439,9 +590,11 @@ def check_shims() -> int:
         assert version(package) == wanted, f"{package} {version(package)} installed; shims need {wanted}"
     from skyrl.tinker import api
     apply_api_shims(api)
+    add_openai_routes(api.app)
     apply_engine_shims()
     paths = {getattr(r, "path", None) for r in api.app.router.routes}
     assert "/api/v1/sessions/{session_id}/finish" in paths
+    assert "/oai/api/v1/chat/completions" in paths
     print("shims ok: skyrl 0.4.0, tinker 0.38.0")
     return 0
 
@@ -484,6 +637,7 @@ def gaps_still_open() -> dict[str, bool]:
             api.ID_PATTERN, "session_0:train:1") is None and any("{unique_id}" in p for p in paths if p),
         "capabilities_without_context_window": "max_context_length" not in inspect.getsource(
             api.get_server_capabilities),
+        "no_openai_endpoint": not any("completions" in (p or "") for p in paths),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
     }

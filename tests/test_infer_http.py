@@ -201,3 +201,64 @@ def test_script_copied_alone_runs_and_prices_only_with_tinker_pricing_beside_it(
     import tinker_pricing
     expected = tinker_pricing.estimate_cost("Qwen/Qwen3-8B", prefill=7, sample=5)["usd"]["total"]
     assert result["usd"] == pytest.approx(expected) and result["usd"] > 0
+
+
+# ---------------------------------------------------------------- against the local backend
+
+
+def infer_cli(local_tinker, *argv):
+    """tinker_infer.py in a subprocess against the local backend; (exit code, its JSON)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(tinker_infer.__file__).resolve()
+    done = subprocess.run([sys.executable, str(script), *argv, "--json"], env=local_tinker.env,
+                          capture_output=True, text=True, timeout=900)
+    lines = done.stdout.strip().splitlines()
+    assert lines, done.stderr[-2000:]
+    return done.returncode, json.loads(lines[-1])
+
+
+@pytest.mark.e2e
+def test_http_route_on_the_local_backend_samples_what_the_sdk_route_samples(local_tinker):
+    """Same prompt, seed and options: the OpenAI-compatible endpoint (TINKER_BASE_URL + /oai/api/v1)
+    and the SDK return the same texts, because both sample the same server's sampler."""
+    args = ["--model", local_tinker.model, "--format", "raw", "--prompt", "Once upon a time",
+            "--n", "2", "--max-tokens", "8", "--temperature", "1.0", "--seed", "5"]
+    code, http = infer_cli(local_tinker, "--http", *args)
+    assert code == 0, http
+    assert http["endpoint"] == local_tinker.base_url + "/oai/api/v1/completions"
+    code, sdk = infer_cli(local_tinker, *args)
+    assert code == 0, sdk
+    assert [s["text"] for s in http["samples"]] == [s["text"] for s in sdk["samples"]]
+    assert [s["prompt_tokens"] for s in http["samples"]] == [sdk["samples"][0]["prompt_tokens"]] * 2
+    # a stop string taken from what seed 5 produced cuts that sample there, OpenAI-style (excluded)
+    text = http["samples"][0]["text"]
+    stop = next((text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].strip()
+                 and text[i:i + 2] not in text[:i]), None)
+    if stop is not None:
+        code, cut = infer_cli(local_tinker, "--http", *args, "--stop", stop)
+        assert code == 0, cut
+        assert cut["samples"][0]["text"] == text[:text.index(stop)]
+        assert cut["samples"][0]["stop_reason"] == "stop"
+
+
+@pytest.mark.e2e
+def test_http_route_on_the_local_backend_samples_a_sampler_checkpoint_in_chat_format(local_tinker, monkeypatch):
+    import tinker
+    local_tinker.apply(monkeypatch)
+    service = tinker.ServiceClient()
+    training = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
+    path = training.save_weights_for_sampler("http-e2e").result().path
+    code, result = infer_cli(local_tinker, "--http", "--model", path, "--prompt", "What colour is the sky?",
+                             "--n", "2", "--max-tokens", "8", "--seed", "3")
+    assert code == 0, result
+    assert result["endpoint"].endswith("/oai/api/v1/chat/completions")
+    assert [(s["prompt_index"], s["sample_index"]) for s in result["samples"]] == [(0, 0), (0, 1)]
+    assert all(s["stop_reason"] in ("stop", "length") and isinstance(s["text"], str) for s in result["samples"])
+    assert result["samples"][0]["prompt_tokens"] > 5
+    # the run's checkpoint, not a name the server does not serve: a wrong path is a one-line exit 2
+    code, missing = infer_cli(local_tinker, "--http", "--model", path.replace("http-e2e", "no-such"),
+                              "--prompt", "hi", "--max-tokens", "4")
+    assert code == 2 and "no-such" in missing["error"], missing

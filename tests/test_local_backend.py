@@ -376,6 +376,69 @@ def test_a_sampler_checkpoint_is_served_apart_from_the_client_that_saved_it(loca
     later.close("success").result()
 
 
+# ---------------------------------------------------------------- the OpenAI-compatible endpoint
+
+
+def oai_post(local_tinker, path: str, body: dict, key: str | None = "tml-local"):
+    import httpx
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(local_tinker.base_url + "/oai/api/v1" + path, json=body, headers=headers, timeout=600)
+    return response.status_code, response.json()
+
+
+@pytest.mark.e2e
+def test_openai_completions_return_text_usage_and_the_sampled_tokens_logprobs(local_tinker, sdk):
+    """The endpoint samples with the SDK's sampler: same seed, same tokens and logprobs."""
+    from tinker import types
+    service, _, tokenizer = sdk
+    code, body = oai_post(local_tinker, "/completions", {
+        "model": local_tinker.model, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0,
+        "seed": 11, "n": 2, "logprobs": 0})
+    assert code == 200, body
+    assert body["object"] == "text_completion" and len(body["choices"]) == 2
+    prompt = tokenizer.encode("Once upon a time", add_special_tokens=False)
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    base = service.create_sampling_client(base_model=local_tinker.model).result()
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=11, stop=["<|im_end|>", "<|endoftext|>"])
+    sequences = base.sample(types.ModelInput.from_ints(prompt), 2, params).result().sequences
+    for choice, seq in zip(body["choices"], sequences):
+        n = len(choice["logprobs"]["token_logprobs"])
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+        assert choice["text"] == tokenizer.decode(seq.tokens[:n], skip_special_tokens=False)
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(seq.logprobs[:n], abs=1e-5)
+        assert choice["finish_reason"] == ("length" if n == 8 else "stop")
+    assert body["usage"]["completion_tokens"] == sum(len(seq.tokens) for seq in sequences)
+
+
+@pytest.mark.e2e
+def test_openai_chat_completions_render_the_template_and_honour_max_tokens(local_tinker):
+    code, body = oai_post(local_tinker, "/chat/completions", {
+        "model": local_tinker.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "temperature": 0.0, "logprobs": True, "chat_template_kwargs": {"enable_thinking": False}})
+    assert code == 200, body
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert body["usage"]["completion_tokens"] <= 4
+    assert choice["finish_reason"] in ("stop", "length")
+    assert len(choice["logprobs"]["content"]) == body["usage"]["completion_tokens"] - (choice["finish_reason"] == "stop")
+    # the generation prompt of Qwen3's template with thinking off ends "<think>\n\n</think>\n\n"
+    assert body["usage"]["prompt_tokens"] == 13
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path,body,key,status,words", [
+    ("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, None, 401, "API key"),
+    ("/completions", {"model": "Qwen/Qwen3-32B", "prompt": "Hi"}, "tml-local", 404, "not served here"),
+    ("/completions", {"model": "tinker://x/weights/final", "prompt": "Hi"}, "tml-local", 404, "sampler_weights"),
+    ("/completions", {"prompt": "Hi", "logprobs": 2}, "tml-local", 400, "top logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True}, "tml-local", 400, "stream"),
+])
+def test_openai_endpoint_refuses_what_it_cannot_serve_with_an_openai_error(local_tinker, path, body, key, status, words):
+    code, reply = oai_post(local_tinker, path, {"model": local_tinker.model, **body}, key=key)
+    assert code == status
+    assert words in reply["error"]["message"]
+
+
 # ---------------------------------------------------------------- the shims: present and needed
 
 
@@ -395,7 +458,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "sampling_a_checkpoint_needs_its_training_model": True,
         "stale_gradients_survive_slot_reuse": True, "prompt_logprobs_without_leading_none": True,
         "restored_run_ids_rejected_by_checkpoint_routes": True,
-        "capabilities_without_context_window": True,
+        "capabilities_without_context_window": True, "no_openai_endpoint": True,
     }
 
 
