@@ -30,8 +30,9 @@ Outputs:
     LOG/checkpoints.jsonl          one row per save: step, next_batch, epoch, state_path, sampler_path, format
     LOG/datums.jsonl               (--dry-run) per pair: prompt length, both sides' token ids, weights and
                                    the decoded text of each weighted span
-    stdout                         one JSON object: status, log_path, pairs, steps, state_path, sampler_path,
-                                   first/last step metrics, tokens, usd, format
+    stdout                         one JSON object: status (ok, dry_run, or complete for a finished run given
+                                   --resume), log_path, pairs, steps, state_path, sampler_path, first/last
+                                   metrics rows, tokens by meter, cost (the pricing estimate or null), format
 
 Requires:
     TINKER_API_KEY (not for --dry-run); TINKER_BASE_URL to point at a local rehearsal backend
@@ -51,6 +52,7 @@ starting weights (the base model, or --init-from), scored once before the first 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import time
@@ -121,6 +123,7 @@ def load_pairs(path):
     messages. Replace the body to read from anywhere else (a Hugging Face dataset, a database).
     """
     return read_jsonl(path)
+# ==== END EDIT ME ====
 
 
 def main(argv=None) -> int:
@@ -157,15 +160,14 @@ def main(argv=None) -> int:
         say(f"dry run: {len(pairs)} pairs rendered, masks checked; audit in {audit}")
         emit({"status": "dry_run", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
               "per_epoch": per_epoch, "limit": limit, "longest": longest_sequence(pairs), "tokens": tokens,
-              "usd": est and est["usd"]["total"], "datums": str(audit), "format": fmt})
+              "cost": est, "datums": str(audit), "format": fmt})
         return EXIT_OK
 
     if start >= total_steps:
         say(f"nothing to do: the run in {run.path} already finished its {total_steps} steps")
         final = run.checkpoints()[-1]
-        emit({"status": "ok", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
-              "state_path": final["state_path"], "sampler_path": final.get("sampler_path"), "tokens": tokens,
-              "usd": 0.0, "format": fmt})
+        emit({"status": "complete", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
+              "state_path": final["state_path"], "sampler_path": final.get("sampler_path"), "format": fmt})
         return EXIT_OK
     est = estimate(args.model_name, tokens, args.max_usd, label=label)  # before any file changes or paid call
     service, context = connect(args.model_name)
@@ -173,7 +175,8 @@ def main(argv=None) -> int:
         raise DataError(f"a pair is longer than {args.model_name}'s context window {context}; pass "
                         f"--max-length {context} --drop-long")
     if resume_from:
-        run.rewind("metrics.jsonl", lambda r: r.get("step", 0) < start)
+        # Rows past the checkpoint were written by the stopped process and will be produced again.
+        run.rewind("metrics.jsonl", lambda r: r.get("step", 0) <= start)
         tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
         say(f"resuming at step {start}/{total_steps} from {resume_from['state_path']}")
     else:
@@ -200,22 +203,23 @@ def main(argv=None) -> int:
         opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))  # queued behind fwd, not awaited yet
         metrics = fwd.result().metrics
         opt.result()
-        row = {"step": step, "epoch": step // per_epoch, "loss": metrics["loss:sum"],
+        done = step + 1  # as in tinker_sft.py: a row is numbered by the optimizer steps taken after it
+        row = {"step": done, "epoch": step // per_epoch, "loss": metrics["loss:sum"],
                **{k: metrics[k] for k in STEP_METRICS}, "learning_rate": lr, "pairs": len(batch),
                "tokens": sum(d.model_input.length for d in data), "seconds": round(time.time() - t0, 3)}
         run.append("metrics.jsonl", row)
         first, last = first or row, row
-        say(f"step {step + 1}/{total_steps} | loss {row['loss']:.4f} | acc {row['accuracy']:.2f} | margin "
+        say(f"step {done}/{total_steps} | loss {row['loss']:.4f} | acc {row['accuracy']:.2f} | margin "
             f"{row['margin']:+.4f} | chosen {row['chosen_reward']:+.4f} rejected {row['rejected_reward']:+.4f} | "
             f"kl {row['implicit_kl']:.2e} | lr {lr:.1e} | {row['seconds']:.1f}s")
-        done = step + 1
         if done < total_steps and args.save_every and done % args.save_every == 0:
             save(tc, run, f"{done:06d}", done, per_epoch, fmt, final=False)
     state_path, sampler_path = save(tc, run, "final", total_steps, per_epoch, fmt, final=True)
-    service.close("success").result()
+    with contextlib.suppress(Exception):  # the run is saved; a failed session close changes nothing
+        service.close("success").result()
     emit({"status": "ok", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
           "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
-          "tokens": tokens, "usd": est and est["usd"]["total"], "format": fmt})
+          "tokens": tokens, "cost": est, "format": fmt})
     return EXIT_OK
 
 
@@ -764,8 +768,11 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
+import multiprocessing
 import os
+from pathlib import Path
 
 
 FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
@@ -1119,8 +1126,35 @@ def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) 
     return raw_format(tokenizer, name=tokenizer_name)
 
 
-def render_all(examples, tokenizer, fmt, train_on) -> list:
-    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+POOL_MIN_EXAMPLES = 2000  # below this a process pool costs more than it saves
+CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not worth a file
+_POOL_JOB = None  # (tokenizer, fmt, train_on), inherited by forked render workers
+
+
+def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line.
+
+    Large sets render in a process pool over every core (forked, so each worker inherits the tokenizer;
+    the per-datum checks run unchanged in the workers). With cache_dir, the result is kept in a file keyed
+    by (examples, tokenizer, format, train_on, rendering code), so a --resume or a real run after a dry run
+    reads it back instead of rendering again."""
+    path = None
+    if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
+        path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
+        cached = _read_render_cache(path)
+        if cached is not None:
+            return cached
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods():
+        out = _render_in_pool(examples, tokenizer, fmt, train_on, workers)
+    else:
+        out = _render_serial(examples, tokenizer, fmt, train_on)
+    if path is not None:
+        _write_render_cache(path, out)
+    return out
+
+
+def _render_serial(examples, tokenizer, fmt, train_on) -> list:
     out = []
     for ex in examples:
         try:
@@ -1128,6 +1162,55 @@ def render_all(examples, tokenizer, fmt, train_on) -> list:
         except RenderError as e:
             raise RenderError(f"line {ex['line']}: {e}") from None
     return out
+
+
+def _render_chunk(chunk):
+    tokenizer, fmt, train_on = _POOL_JOB
+    return [(line, r.tokens, r.weights) for line, r in _render_serial(chunk, tokenizer, fmt, train_on)]
+
+
+def _render_in_pool(examples, tokenizer, fmt, train_on, workers) -> list:
+    global _POOL_JOB
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
+    size = min(max(len(examples) // (workers * 8), 200), 5000)
+    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
+    _POOL_JOB = (tokenizer, fmt, train_on)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_render_chunk, chunks)
+    finally:
+        _POOL_JOB = None
+    return [(line, Rendered(tokens, weights)) for part in parts for line, tokens, weights in part]
+
+
+def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
+    """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
+    special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
+    h = hashlib.sha256()
+    h.update(json.dumps([examples, fmt, train_on], sort_keys=True, default=str).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    with contextlib.suppress(OSError, TypeError):  # the code that renders and masks, as it runs now
+        h.update("".join(inspect.getsource(f) for f in (render_example, _render_chat_turn, _apply_template,
+                                                         generation_prompt, _merge_extensions)).encode())
+    return h.hexdigest()[:32]
+
+
+def _read_render_cache(path):
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return [(line, Rendered(tokens, weights)) for line, tokens, weights in rows]
+
+
+def _write_render_cache(path, rendered) -> None:
+    """Atomic, and never fatal: a read-only or full disk only costs the next run a render."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([[line, r.tokens, r.weights] for line, r in rendered]), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def apply_length_limit(rendered, limit, mode):
@@ -1565,7 +1648,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 260c5ed03c36) ====
+# ==== END SHARED CODE (sha256 5dccb9b217b9) ====
 
 
 if __name__ == "__main__":

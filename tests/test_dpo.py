@@ -214,7 +214,8 @@ def test_dry_run_writes_the_audit_and_prices_the_reference_pass(offline_tokenize
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert (result["status"], result["pairs"], result["steps"]) == ("dry_run", 8, 2)
-    assert set(result["tokens"]) == {"train", "prefill", "sample"} and result["usd"] > 0
+    assert set(result["tokens"]) == {"train", "prefill", "sample"}
+    assert result["cost"]["tokens"] == {"cached_prefill": 0, **result["tokens"]} and result["cost"]["usd"]["total"] > 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "datums.jsonl").read_text().splitlines()]
     assert [r["line"] for r in rows] == list(range(1, 9))
     assert rows[0]["chosen"]["weighted"] == ["The capital of France is Paris.<|im_end|>"]
@@ -256,7 +257,7 @@ def test_the_script_copied_alone_shows_help_and_dry_runs(offline_tokenizer, tmp_
                      script=alone / "tinker_dpo.py")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert (result["status"], result["pairs"], result["usd"]) == ("dry_run", 8, None)
+    assert (result["status"], result["pairs"], result["cost"]) == ("dry_run", 8, None)
     assert "no dollar estimate: tinker_pricing.py is not beside this script" in out.stderr
     assert (alone / "runs" / "dpo" / "datums.jsonl").exists()
 
@@ -272,3 +273,12 @@ def test_raw_format_pairs_share_the_prompt_text_and_train_the_answer_plus_eos(of
     assert tok.decode(pair.chosen.tokens[n:]) == " 4" + tok.eos_token
     assert tok.decode(pair.rejected.tokens[n:]) == " 5, I think" + tok.eos_token
     assert pair.rejected.weights == [0.0] * n + [1.0] * (len(pair.rejected.tokens) - n)
+
+
+def test_an_estimate_over_max_usd_exits_3_before_anything_is_written(offline_tokenizer, tmp_path):
+    log = tmp_path / "run"
+    out = run_script(["--data", str(EXAMPLE), "--tokenizer", offline_tokenizer("Qwen3-8B"), "--log-path", str(log),
+                      "--max-usd", "0.0001"], tmp_path)
+    assert out.returncode == 3, out.stderr
+    assert "exceeds --max-usd 0.0001" in out.stderr and out.stdout == ""
+    assert not log.exists()
