@@ -39,14 +39,14 @@ print(json.dumps([run_to_dict(r) for r in scan_runs()]))
 """
 
 
-def tinkerscope_discovery(root, tmp_path):
-    """tinkerscope's own scan of `root`, offline (no TINKER_API_KEY: no probes), as plain dicts.
-
-    Its settings are read once at import from TINKERSCOPE_SCAN_ROOTS, so it runs in a fresh process."""
+def tinkerscope_discovery(root, tmp_path, server_env=None):
+    """tinkerscope's own scan of `root` as plain dicts: offline (no TINKER_API_KEY, no probes) unless
+    server_env gives a key and a base URL. Its settings are read once at import from
+    TINKERSCOPE_SCAN_ROOTS, so it runs in a fresh process."""
     if importlib.util.find_spec("tinkerscope") is None or importlib.util.find_spec("dotenv") is None:
         pytest.fail(f"tinkerscope is not installed in this venv; install it with: {INSTALL}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "TINKERSCOPE_"))}
-    env.update(TINKERSCOPE_SCAN_ROOTS=str(root), XDG_STATE_HOME=str(tmp_path / "state"))
+    env.update(server_env or {}, TINKERSCOPE_SCAN_ROOTS=str(root), XDG_STATE_HOME=str(tmp_path / "state"))
     out = subprocess.run([sys.executable, "-c", DISCOVER], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -125,31 +125,44 @@ def rl_run(local_tinker, tmp_path_factory):
     return log
 
 
-def assert_tinkerscope_sees_the_run(log, tmp_path, local_tinker):
+def discovered(log, tmp_path, env=None):
+    [found] = [r for r in tinkerscope_discovery(log.parent, tmp_path, env) if r["run_dir"] == str(log.resolve())]
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("run_fixture", ["sft_run", "rl_run"])
+def test_tinkerscope_discovers_our_run_its_settings_and_checkpoints(run_fixture, request, tmp_path, local_tinker):
+    log = request.getfixturevalue(run_fixture)
     config = json.loads((log / "config.json").read_text())
     ours = rows(log / "checkpoints.jsonl")
-    [found] = [r for r in tinkerscope_discovery(log.parent, tmp_path) if r["run_dir"] == str(log.resolve())]
-    assert found["config_error"] is None
+    found = discovered(log, tmp_path)
+    assert found["config_error"] is None and found["name"] == log.name
     assert found["base_model"] == config["model_name"] == local_tinker.model
     assert (found["lora_rank"], found["learning_rate"], found["seed"]) == \
-        (config["lora_rank"], config["learning_rate"], config["seed"])
-    assert found["renderer_name"] in QWEN3_RENDERERS, found["renderer_name"]
-    assert [c["name"] for c in found["checkpoints"]] == [r["name"] for r in ours]
-    assert [(c["state_path"], c["sampler_path"]) for c in found["checkpoints"]] == \
-        [(r["state_path"], r["sampler_path"]) for r in ours]
-    # the step tinkerscope shows is ours: "final" gets it from `batch`
-    assert [c["step"] for c in found["checkpoints"]] == [r["step"] for r in ours]
+        (config["lora_rank"], config["learning_rate"], config["seed"]) == (8, config["learning_rate"], 0)
+    assert [(c["name"], c["state_path"], c["sampler_path"]) for c in found["checkpoints"]] == \
+        [(r["name"], r["state_path"], r["sampler_path"]) for r in ours]
     assert found["checkpoints"][-1]["sampler_path"], "the final row must carry a sampler path to chat with"
 
 
 @pytest.mark.e2e
-def test_tinkerscope_discovers_our_sft_run_with_its_checkpoints(sft_run, tmp_path, local_tinker):
-    assert_tinkerscope_sees_the_run(sft_run, tmp_path, local_tinker)
+@pytest.mark.parametrize("run_fixture", ["sft_run", "rl_run"])
+def test_tinkerscope_shows_our_renderer_and_every_checkpoint_step(run_fixture, request, tmp_path):
+    """Needs config.json dataset_builder.common_config.renderer_name and `batch` on checkpoint rows."""
+    log = request.getfixturevalue(run_fixture)
+    found = discovered(log, tmp_path)
+    assert found["renderer_name"] in QWEN3_RENDERERS, found["renderer_name"]
+    # the step tinkerscope shows is ours: "final" gets it from `batch`
+    assert [c["step"] for c in found["checkpoints"]] == [r["step"] for r in rows(log / "checkpoints.jsonl")]
 
 
 @pytest.mark.e2e
-def test_tinkerscope_discovers_our_rl_run_with_its_checkpoints(rl_run, tmp_path, local_tinker):
-    assert_tinkerscope_sees_the_run(rl_run, tmp_path, local_tinker)
+def test_tinkerscope_marks_our_run_sampleable_on_the_local_backend(sft_run, tmp_path, local_tinker):
+    """With a key, tinkerscope asks the server's capabilities whether our model_name is served. The local
+    backend has no list_user_checkpoints, so the weights check is unknown and it trusts the base."""
+    found = discovered(sft_run, tmp_path, env=local_tinker.env)
+    assert found["sampleable"] is True, found["unsampleable_reason"]
 
 
 @pytest.mark.e2e
