@@ -1170,3 +1170,41 @@ def test_vision_placeholder_render_is_what_the_qwen35_template_writes(offline_to
     for i in ids:
         assert str(i) in text
     assert tok.apply_chat_template(messages, tokenize=True, return_dict=False).count(248056) == 1
+
+
+def paragraphs(path: Path) -> list[str]:
+    _, prose = split_markdown(path.read_text(encoding="utf-8"))
+    text = "\n".join(line for _, line in prose)
+    return [" ".join(p.split()) for p in re.split(r"\n\s*\n", text)]
+
+
+def test_no_line_gives_tml_as_the_only_credential_form():
+    wrong = [f"{rel(path)}: {p[:80]}" for path in doc_files() for p in paragraphs(path)
+             if re.search(r"(?:must|always|keys?) start(?:s)? with .?tml-|without .?tml-.? (?:always )?fails", p, re.I)
+             and not re.search(r"JWT|eyJ", p)]
+    assert not wrong, "SDK 0.38 also takes JWTs and TINKER_CREDENTIAL_CMD:\n" + "\n".join(wrong)
+
+
+def test_developing_states_the_local_backends_adapter_slots():
+    import tinker_local
+
+    slots = tinker_local.MAX_LORA_ADAPTERS - 1  # slot 0 is the base model
+    text = " ".join((ROOT / "DEVELOPING.md").read_text(encoding="utf-8").split())
+    assert f"{slots} per server" in text and f"MAX_LORA_ADAPTERS = {tinker_local.MAX_LORA_ADAPTERS}" in text
+    server_src = (SCRIPTS / "tinker_local_server.py").read_text(encoding="utf-8")  # runs in the server venv
+    sampler_slots = int(re.search(r"^SAMPLER_SLOTS = (\d+)", server_src, re.M).group(1))
+    assert f"SAMPLER_SLOTS = {sampler_slots}" in text
+    assert not re.search(r"\b(?!%d\b)\d+ per server" % slots, text)
+
+
+def test_overwrite_advice_says_a_retried_save_usually_landed():
+    wrong = [f"{rel(path)}: {p[:80]}" for path in doc_files() for p in paragraphs(path)
+             if "overwrite=True" in p and "409" in p and "landed" not in p]
+    assert not wrong, wrong
+
+
+def test_no_line_says_every_rl_group_is_in_flight_without_the_bound():
+    wrong = [f"{rel(path)}: {p[:80]}" for path in doc_files() for p in paragraphs(path)
+             if re.search(r"every group in flight|all groups in flight at once", p, re.I)
+             and "max-in-flight" not in p and "benchmarks/" not in p]
+    assert not wrong, wrong
