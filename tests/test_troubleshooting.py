@@ -277,15 +277,20 @@ def test_sampling_mistakes(service, trained):
 # ------------------------------------------------------------------ the bundle's scripts
 
 @pytest.mark.e2e
-@proves("error: no Tinker credentials: set TINKER_API_KEY (tml-...), or audit for free with --dry-run, "
-        "or rehearse offline against the local backend (scripts/tinker_local.py)")
-def test_sft_without_a_key_exits_4_with_the_documented_line(local_tinker, tmp_path):
-    env = {k: v for k, v in {**os.environ, **local_tinker.env}.items() if k != "TINKER_API_KEY"}
-    env["HOME"] = str(tmp_path)
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_sft.py"),
-                          "--data", str(ROOT / "templates" / "sft_example.jsonl"), "--max-steps", "1",
-                          "--tokenizer", str(local_tinker.tokenizer_dir), "--log-path", str(tmp_path / "run")],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 4
-    check(out.stderr.strip().splitlines()[-1],
-          test_sft_without_a_key_exits_4_with_the_documented_line.texts[0])
+@proves("error: no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
+        "or for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>",
+        "error: TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again from the "
+        "Tinker console")
+def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_line(local_tinker, tmp_path):
+    texts = test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_line.texts
+    base = {k: v for k, v in {**os.environ, **local_tinker.env}.items()
+            if k not in ("TINKER_API_KEY", "TINKER_CREDENTIAL_CMD")}
+    base["HOME"] = str(tmp_path)
+    for key, text in ((None, texts[0]), ("sk-abc", texts[1])):
+        env = dict(base) if key is None else {**base, "TINKER_API_KEY": key}
+        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_sft.py"),
+                              "--data", str(ROOT / "templates" / "sft_example.jsonl"), "--max-steps", "1",
+                              "--tokenizer", str(local_tinker.tokenizer_dir), "--log-path", str(tmp_path / "run")],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 4, out.stderr[-2000:]
+        check(out.stderr.strip().splitlines()[-1], text)
