@@ -265,9 +265,9 @@ def test_rl_and_infer_scripts_prompt_and_stop_like_the_sft_renderer(chat_family,
 
     tok, fmt = chat_family(name)
     prompt = sft.generation_prompt(SINGLE[:-1], tok, fmt)
-    rl_fmt = tinker_rl.chat_format(tok, name)
+    rl_fmt = tinker_rl.chat_format(tok, name=name)
     assert rl_fmt["stop"] == fmt["stop"]
-    assert tinker_rl.render_tokens(tok, rl_fmt, SINGLE[:-1]) == prompt
+    assert tinker_rl.generation_prompt(SINGLE[:-1], tok, rl_fmt) == prompt
     assert tinker_infer.render_prompt({"messages": SINGLE[:-1]}, fmt, tok) == prompt
     assert tinker_infer.format_stop_ids(fmt, tok) == fmt["stop"]
     no_record = tinker_infer.format_stop_ids({"kind": "chat"}, tok)  # sampling a base model by name
