@@ -1208,3 +1208,32 @@ def test_no_line_says_every_rl_group_is_in_flight_without_the_bound():
              if re.search(r"every group in flight|all groups in flight at once", p, re.I)
              and "max-in-flight" not in p and "benchmarks/" not in p]
     assert not wrong, wrong
+
+
+# --------------------------------------------------------------------------- debugging.md
+
+def sdk_source_files():
+    root = Path(tinker.__file__).parent
+    return [p for p in root.rglob("*.py") if not p.name.endswith("_test.py")]
+
+
+def test_debugging_lists_exactly_the_tinker_environment_variables_the_sdk_reads():
+    read = set()
+    for path in sdk_source_files():
+        read |= set(re.findall(r"""["'](TINKER_[A-Z_]+)["']""", path.read_text(encoding="utf-8")))
+    text = " ".join((REFERENCES / "debugging.md").read_text(encoding="utf-8").split())
+    m = re.search(r"the only `TINKER_\*` variables it reads are (.*?)\)", text)
+    assert m, "debugging.md must list the TINKER_* variables SDK 0.38 reads"
+    listed = set(re.findall(r"`(TINKER_[A-Z_]+)`", m.group(1)))
+    assert listed == read, (sorted(listed - read), sorted(read - listed))
+    assert "TINKER_SUBPROCESS_SAMPLING" not in read
+
+
+def test_debugging_quotes_the_sdks_heartbeat_warning_and_period():
+    src = (Path(tinker.__file__).parent / "lib" / "internal_client_holder.py").read_text(encoding="utf-8")
+    assert "SESSION_HEARTBEAT_PERIOD_SEC = 10" in src and "SESSION_MISSED_HEARTBEAT_WARNING_THRESHOLD_SEC = 60 * 2" in src
+    assert "Your connection may be unreliable or Tinker is down. If this persists, the session will be terminated." in src
+    text = " ".join((REFERENCES / "debugging.md").read_text(encoding="utf-8").split())
+    assert "`Session heartbeat failed for N seconds for session SESSION_ID. Last exception: ...`" in text
+    assert "`Your connection may be unreliable or Tinker is down. If this persists, the session will be terminated.`" in text
+    assert "after 120 s without a successful heartbeat" in text and "heartbeat (every 10 s)" in text
