@@ -1237,3 +1237,20 @@ def test_debugging_quotes_the_sdks_heartbeat_warning_and_period():
     assert "`Session heartbeat failed for N seconds for session SESSION_ID. Last exception: ...`" in text
     assert "`Your connection may be unreliable or Tinker is down. If this persists, the session will be terminated.`" in text
     assert "after 120 s without a successful heartbeat" in text and "heartbeat (every 10 s)" in text
+
+
+def test_inference_concurrency_figures_are_the_sdks():
+    lib = Path(tinker.__file__).parent / "lib"
+    holder = (lib / "internal_client_holder.py").read_text(encoding="utf-8")
+    sampling = (lib / "public_interfaces" / "sampling_client.py").read_text(encoding="utf-8")
+    assert "_sample_dispatch_semaphore: asyncio.Semaphore = asyncio.Semaphore(400)" in holder
+    assert "_sample_dispatch_throttled_semaphore: asyncio.Semaphore = asyncio.Semaphore(10)" in holder
+    assert "time.monotonic() - self._sample_backoff_until < 10" in holder
+    assert "backoff_duration = 1 if estimated_bytes_count <= 128 * 1024 else 5" in sampling
+    from tinker.types.client_config_response import ClientConfigResponse
+
+    assert ClientConfigResponse.model_fields["sample_max_concurrent_requests"].default == 2000
+    text = " ".join((REFERENCES / "inference.md").read_text(encoding="utf-8").split())
+    for phrase in ("at most 400 sample submissions", "(10 at once for 10 s after a 429)",
+                   "`sample_max_concurrent_requests` (2000", "for 1 s (5 s for prompts over 128 KiB)"):
+        assert phrase in text, phrase
