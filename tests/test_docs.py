@@ -1254,3 +1254,20 @@ def test_inference_concurrency_figures_are_the_sdks():
     for phrase in ("at most 400 sample submissions", "(10 at once for 10 s after a 429)",
                    "`sample_max_concurrent_requests` (2000", "for 1 s (5 s for prompts over 128 KiB)"):
         assert phrase in text, phrase
+
+
+def test_vision_imagechunk_claims_hold_in_the_sdk():
+    from tinker import types
+
+    chunk = types.ImageChunk(data=b"\xff\xd8jpeg", format="jpeg", expected_tokens=4)
+    model_input = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[1, 2]), chunk,
+                                           types.EncodedTextChunk(tokens=[3])])
+    assert model_input.length == 2 + 4 + 1
+    with pytest.raises(ValueError):
+        types.ImageChunk(data=b"x", format="jpeg").length
+    with pytest.raises(ValueError):
+        model_input.to_ints()
+    with pytest.raises(Exception):
+        types.ImageChunk(data=b"x", format="gif")
+    text = (REFERENCES / "vision.md").read_text(encoding="utf-8")
+    assert '`ImageChunk(data=<bytes>, format="png" | "jpeg", expected_tokens=<int or None>)`' in text
