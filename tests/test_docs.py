@@ -1271,3 +1271,18 @@ def test_vision_imagechunk_claims_hold_in_the_sdk():
         types.ImageChunk(data=b"x", format="gif")
     text = (REFERENCES / "vision.md").read_text(encoding="utf-8")
     assert '`ImageChunk(data=<bytes>, format="png" | "jpeg", expected_tokens=<int or None>)`' in text
+
+
+def test_setup_apply_chat_template_claim_holds_for_the_installed_transformers(offline_tokenizer):
+    """setup.md: tokenize=True returns a BatchEncoding in transformers 5; return_dict=False a list."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(offline_tokenizer("Qwen3-8B"))
+    messages = [{"role": "user", "content": "hi"}]
+    as_dict = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    as_list = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert isinstance(as_list, list) and all(isinstance(i, int) for i in as_list)
+    assert list(as_dict["input_ids"]) == as_list and "attention_mask" in as_dict
+    text = " ".join((REFERENCES / "setup.md").read_text(encoding="utf-8").split())
+    assert "returns a `BatchEncoding` (a dict with `input_ids`, `attention_mask`)" in text
+    assert "pass `return_dict=False`" in text
