@@ -43,6 +43,7 @@ UNRESOLVABLE = "http://no-such-host.invalid:8000"  # .invalid never resolves (RF
 # tinker + transformers alone takes 15-70 s on this shared 2-core machine under load (0.7 s for infer idle).
 FAST_S = 150.0
 WORKERS = 3
+CASE_TIMEOUT_S = 180.0  # a case still running then is a hang (the old dead-endpoint cases ran > 300 s)
 
 GOOD_ROW = {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}
 
@@ -240,13 +241,14 @@ if (SCRIPTS / "tinker_dpo.py").exists():
         C("dpo-no-key", "dpo", "--data prefs.jsonl --tokenizer {tok} --log-path r", 4, "TINKER_API_KEY"),
     ]
 if (SCRIPTS / "tinker_distill.py").exists():
+    TEACHER = "--teacher Qwen/Qwen3-32B --teacher-tokenizer {tok} --tokenizer {tok}"
     CASES += [
-        C("distill-prompts-missing", "distill", "--dry-run --prompts nope.jsonl --tokenizer {tok}", 2, "nope.jsonl"),
-        C("distill-prompts-not-utf8", "distill", "--dry-run --prompts latin1.jsonl --tokenizer {tok}", 2, "line 2"),
-        C("distill-lr-nan", "distill", "--dry-run --prompts prompts.jsonl --tokenizer {tok} --learning-rate nan", 2,
+        C("distill-no-teacher", "distill", "--dry-run --prompts prompts.jsonl --tokenizer {tok}", 2, "--teacher"),
+        C("distill-prompts-missing", "distill", "--dry-run --prompts nope.jsonl " + TEACHER, 2, "nope.jsonl"),
+        C("distill-prompts-not-utf8", "distill", "--dry-run --prompts latin1.jsonl " + TEACHER, 2, "line 2"),
+        C("distill-lr-nan", "distill", "--dry-run --prompts prompts.jsonl --learning-rate nan " + TEACHER, 2,
           "--learning-rate"),
-        C("distill-no-key", "distill", "--prompts prompts.jsonl --tokenizer {tok} --log-path r", 4,
-          "TINKER_API_KEY"),
+        C("distill-no-key", "distill", "--prompts prompts.jsonl --log-path r " + TEACHER, 4, "TINKER_API_KEY"),
     ]
 
 ERROR_LINE = re.compile(r"^(?:[\w.\- ]+: )?error\b", re.I)  # `error: ...` or argparse's `prog [sub]: error: ...`
@@ -331,10 +333,10 @@ def run_case(case: Case, ws: Path, tok: str, fake: str) -> dict:
     started = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, str(SCRIPTS / f"tinker_{case.script}.py"), *args], cwd=ws, env=env,
-                              capture_output=True, text=True, timeout=240)
+                              capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
         code, out, err = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as e:
-        code, out, err = "hung for 240 s", e.stdout or "", e.stderr or ""
+        code, out, err = f"hung for {CASE_TIMEOUT_S:g} s", e.stdout or "", e.stderr or ""
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x for x in (out, err))
     return {"code": code, "stdout": out, "stderr": err, "seconds": time.monotonic() - started,
             "before": before, "after": snapshot(ws), "ws": ws}
@@ -375,6 +377,7 @@ def half_written(ws: Path, rel: str) -> str | None:
     return None
 
 
+@pytest.mark.timeout(3600)  # the first test waits for every case (the module fixture runs them all)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_or_fault_ends_cleanly(case, results):
     r = results[case.id]
@@ -441,8 +444,14 @@ def assert_run_record_whole(run: Path) -> list[dict]:
 
 
 def sft_rehearsal(tokenizer_dir, log_path, *extra):
-    return [sys.executable, str(SCRIPTS / "tinker_sft.py"), "--rehearse", "--tokenizer", str(tokenizer_dir),
-            "--log-path", str(log_path), "--max-steps", "6", "--save-every", "1", "--num-probes", "0", *extra]
+    """A 6-step SFT run on the local backend saving every step (not --rehearse: its learning checks need
+    its full 60 steps and probes, and this test is about interruption)."""
+    data = Path(log_path).parent / "data.jsonl"
+    if not data.exists():
+        data.write_text("".join(json.dumps(GOOD_ROW) + "\n" for _ in range(24)))  # 6 batches of 4: one epoch
+    return [sys.executable, str(SCRIPTS / "tinker_sft.py"), "--data", str(data), "--tokenizer", str(tokenizer_dir),
+            "--log-path", str(log_path), "--learning-rate", "1e-2", "--batch-size", "4", "--max-steps", "6",
+            "--save-every", "1", "--num-probes", "0", *extra]
 
 
 @pytest.fixture(scope="module")
