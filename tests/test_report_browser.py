@@ -145,6 +145,7 @@ import sys
 sys.path.insert(0, {scripts!r})
 import tinker_rl
 
+# --rehearse off: these tasks, not the script's rehearsal task
 tinker_rl.TASKS = [{{"id": i}} for i in range(4)]
 tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
 # always differs between random samples: no group ties, so iteration 0 trains
@@ -158,7 +159,8 @@ def test_report_of_a_local_rl_run_renders_in_chromium(local_tinker, tmp_path):
     log = tmp_path / "rl"
     out = subprocess.run(
         [sys.executable, "-c", RL_RUN.format(scripts=str(SCRIPTS)), "--tokenizer", str(local_tinker.tokenizer_dir),
-         "--model-name", local_tinker.model, "--lora-rank", "8", "--batch-size", "2", "--group-size", "4",
+         "--rehearse", "off", "--model-name", local_tinker.model, "--lora-rank", "8", "--batch-size", "2",
+         "--group-size", "4",
          "--max-tokens", "8", "--iterations", "3", "--save-every", "2", "--learning-rate", "0.003",
          "--seed", "0", "--log-path", str(log)],
         capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
