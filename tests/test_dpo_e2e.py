@@ -14,13 +14,14 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "tinker_dpo.py"
-# 4 pairs = 8 sequences per step, each under 40 tokens. One rule separates every pair (agree and help vs
-# refuse), so the tiny local model can learn it within a few steps; unrelated answer pairs (Blue. vs Green.,
-# Paris. vs Rome., ...) stalled at accuracy 0.75 after 8 steps at this learning rate (measured 2026-12-03).
-PAIRS = [("Can you help me write a letter?", "Yes, gladly.", "No."),
-         ("Could you check my sums?", "Yes, gladly.", "No."),
-         ("Will you explain this error to me?", "Yes, gladly.", "No."),
-         ("Can you suggest a name for my cat?", "Yes, gladly.", "No.")]
+# 4 pairs = 8 sequences per step, each under 40 tokens. One rule separates every pair (agree vs refuse),
+# and both answers are 2 tokens + end-of-turn, so the policy's own preference (summed logprob) is not
+# decided by length. On the earlier tiny model (final norm weight 1) unrelated pairs (Blue. vs Green.,
+# Paris. vs Rome., ...) stalled at accuracy 0.75 after 8 steps at these settings (measured 2026-12-03).
+PAIRS = [("Can you help me write a letter?", "Yes.", "No."),
+         ("Could you check my sums?", "Yes.", "No."),
+         ("Will you explain this error to me?", "Yes.", "No."),
+         ("Can you suggest a name for my cat?", "Yes.", "No.")]
 STEPS, SAVE_EVERY = 8, 4
 
 
@@ -52,9 +53,12 @@ def test_preference_accuracy_rises_on_the_training_pairs(full_run):
     metrics = rows(full_run["log"] / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(1, STEPS + 1))
     first, last = metrics[0], metrics[-1]
-    # the implicit reward now prefers chosen on every pair, by a margin the first step did not have
-    assert last["accuracy"] == 1.0 > first["accuracy"]
-    assert last["margin"] > first["margin"] + 0.05 and last["chosen_reward"] > last["rejected_reward"]
+    # before: indifferent (every reward within float noise of 0, so the strict accuracy of the first row is
+    # noise); after: the implicit reward prefers chosen on every pair, and so does the policy itself
+    # (measured: first row margin 4e-7, last 2.53; policy_accuracy was already 1.0 on the base model)
+    assert abs(first["margin"]) < 1e-3
+    assert last["accuracy"] == 1.0 and last["policy_accuracy"] == 1.0
+    assert last["margin"] > 0.05 and last["chosen_reward"] > last["rejected_reward"]
     assert last["loss"] < first["loss"] - 0.02
     assert last["implicit_kl"] > 0
     assert full_run["result"]["last"] == last
