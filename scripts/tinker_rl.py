@@ -13,6 +13,8 @@
 Run:
     # check for free (no Tinker call): renders every prompt, checks the tasks, estimates the cost
     uv run tinker_rl.py --dry-run --tokenizer PATH/TO/TOKENIZER
+    # rehearse for free on the local backend: --rehearse auto trains a task its tiny model can learn
+    python tinker_local.py run -- python tinker_rl.py            # add --env calculator for multi-turn
     # train: the single-turn example, then the multi-turn calculator tool-use example
     uv run tinker_rl.py --model-name Qwen/Qwen3-8B --log-path runs/rl1 --iterations 20 --max-usd 5
     uv run tinker_rl.py --env calculator --log-path runs/rl-calc --iterations 20 --max-usd 5
@@ -82,11 +84,16 @@ DEFAULT_LOSS_CONFIG = {
 # Models that always think before answering: their turns need room (4096 tokens unless --max-tokens).
 REASONING_MODELS = ("gpt-oss", "Kimi-K2-Thinking", "GLM-5", "Qwen3.8", "DeepSeek-V4", "Inkling")
 # 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
-# hosted Tinker answers 429 when one client sends ~1,000 at once.
+# hosted Tinker answers 429 under load, and the SDK alone allows 1,000 per client (RetryConfig).
 MAX_IN_FLIGHT = 64
 SAMPLE_RETRIES, RETRY_BASE_S, RETRY_MAX_S = 6, 0.5, 30.0
+# The local backend's tiny random model learns at a far larger rate than an 8B model and is slow per
+# token: the rehearsal (--rehearse) trains the rehearsal task with these unless a flag says otherwise.
+# Temperature 1.2: at 1.0 about 1 sample in 8 leaves the blank lines, at 1.5 nearly all do (measured).
+REHEARSAL_SETTINGS = dict(learning_rate=1e-2, iterations=5, batch_size=2, group_size=4, max_tokens=8,
+                          temperature=1.2, max_turns=2, on_truncation="continue", lora_rank=8, save_every=0)
 # A resumed run must match these settings (and the format); config.json keeps the original ones.
-RESUME_KEYS = ("env", "model_name", "lora_rank", "learning_rate", "loss_fn", "loss_fn_config", "batch_size",
+RESUME_KEYS = ("env", "rehearse", "model_name", "lora_rank", "learning_rate", "loss_fn", "loss_fn_config", "batch_size",
                "group_size", "max_tokens", "temperature", "max_turns", "on_truncation", "normalize_std",
                "seed", "tasks_sha256")
 
@@ -97,6 +104,8 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--env", choices=("single", "calculator"), default="single",
                    help="single: the EDIT ME tasks; calculator: the multi-turn tool-use example")
+    p.add_argument("--rehearse", choices=("auto", "on", "off"), default="auto",
+                   help="the tiny-model rehearsal task and settings; auto: on when TINKER_BASE_URL is this machine")
     p.add_argument("--model-name", default="Qwen/Qwen3-8B")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     p.add_argument("--lora-rank", type=int, default=32)
@@ -119,6 +128,9 @@ def parse_args(argv=None):
                    help="threads for plain-function reward()/env_step(); 0 calls them on the event loop, one at a time")
     p.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT,
                    help="sampling requests at once, the rest queued (64: the cookbook's eval concurrency)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="score EVAL_TASKS every N iterations (greedy reward and pass@k); 0 = never")
+    p.add_argument("--eval-samples", type=int, default=4, help="k of pass@k: samples per held-out task")
     p.add_argument("--save-every", type=int, default=10, help="iterations between save_state; 0 = only final")
     p.add_argument("--trace-every", type=int, default=1,
                    help="write rollouts.jsonl rows every N iterations; 0 = no trace")
@@ -128,7 +140,13 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="render and check, no Tinker call")
     p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.rehearse = args.rehearse == "on" or (args.rehearse == "auto" and on_local_backend())
+    if args.rehearse:  # the rehearsal's settings, for every flag not given on the command line
+        p.set_defaults(**REHEARSAL_SETTINGS)
+        args = p.parse_args(argv)
+        args.rehearse = True
+    return args
 
 
 # ==== EDIT ME: TASKS, render_prompt(), reward(), env_step() ====
@@ -145,8 +163,10 @@ def parse_args(argv=None):
 # deterministic given `rng` so every sample of a group meets the same environment.
 
 _task_rng = random.Random(1234)
-TASKS = [{"a": a, "b": b, "answer": a * b}
-         for a, b in ((_task_rng.randint(100, 999), _task_rng.randint(10, 99)) for _ in range(64))]
+_ALL_TASKS = [{"a": a, "b": b, "answer": a * b}
+              for a, b in ((_task_rng.randint(100, 999), _task_rng.randint(10, 99)) for _ in range(72))]
+TASKS, EVAL_TASKS = _ALL_TASKS[:64], _ALL_TASKS[64:]  # EVAL_TASKS: held out, scored by --eval-every
+PASS_REWARD = 1.0  # pass@k counts a held-out task passed when one of k samples scores at least this
 
 
 def render_prompt(task):
@@ -207,13 +227,15 @@ def main(argv=None):
         for it in range(start, args.iterations):
             t0 = time.time()
             sampler = tc.save_weights_and_get_sampling_client().result()
-            task_indices = batch_tasks(it, len(job.tasks), args.batch_size, args.seed)
+            task_indices = batch_tasks(it, job.n_train, args.batch_size, args.seed)
             seeds = [group_seed(args.seed, it, slot) for slot in range(len(task_indices))]
             t1 = time.time()
             groups = asyncio.run(ro.batch(sampler, task_indices, seeds))
+            evaluated = (asyncio.run(ro.evaluate(sampler, args.eval_samples, args.seed))
+                         if args.eval_every and it % args.eval_every == 0 else {})
             t2 = time.time()
             batch = build_batch(groups, args.normalize_std)
-            if it == 0 and batch.tied == len(groups):
+            if it == 0 and batch.tied == len(groups) and not args.rehearse:  # nothing to learn from, ever
                 raise DataError(tied_message(groups))
             fb_metrics = {}
             if batch.datums:
@@ -222,7 +244,7 @@ def main(argv=None):
                 fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
                               **kl_metrics(batch.datums, batch.masks, result.loss_fn_outputs)}
             t3 = time.time()
-            row = iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds,
+            row = iteration_row(it, groups, batch, args, job, {**fb_metrics, **evaluated}, task_indices, seeds,
                                 seconds={"sampler_weights": t1 - t0, "sampling": t2 - t1, "training": t3 - t2},
                                 retries=ro.take_retries())
             run.append("metrics.jsonl", row)
@@ -233,10 +255,10 @@ def main(argv=None):
             say(progress_line(it, args.iterations, row))
             done = it + 1
             if args.save_every and done % args.save_every == 0 and done < args.iterations:
-                save(tc, run, f"{done:06d}", done, done * args.batch_size // len(job.tasks), job.fmt)
+                save(tc, run, f"{done:06d}", done, done * args.batch_size // job.n_train, job.fmt)
 
     if start < args.iterations or resume_row.get("name") != "final":
-        final = save(tc, run, "final", args.iterations, args.iterations * args.batch_size // len(job.tasks),
+        final = save(tc, run, "final", args.iterations, args.iterations * args.batch_size // job.n_train,
                      job.fmt, final=True)
     else:
         final = resume_row
@@ -276,7 +298,7 @@ def dry_run(args, job):
                            task_label(job.tasks, i))
     est = estimate_cost(args, job, args.context_window)
     lengths = [len(p) for p in job.prompts]
-    emit({"status": "dry_run", "tasks": len(job.tasks), "env": args.env,
+    emit({"status": "dry_run", "tasks": job.n_train, "eval_tasks": len(job.tasks) - job.n_train, "env": args.env,
           "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
           "max_tokens": args.max_tokens, "loss_fn": args.loss_fn, "loss_fn_config": job.loss_config,
           "estimate_usd": (est or {}).get("usd", {}).get("total") if est else None, "format": job.fmt})
@@ -295,7 +317,7 @@ def check_settings(args):
         "temperature": dict(low=0, low_open=True), "max_turns": dict(low=1), "save_every": dict(low=0),
         "context_window": dict(low=1), "clip_low_threshold": dict(low=0), "clip_high_threshold": dict(low=0),
         "dro_beta": dict(low=0, low_open=True), "env_workers": dict(low=0), "max_in_flight": dict(low=1),
-        "trace_every": dict(low=0)})
+        "trace_every": dict(low=0), "eval_every": dict(low=0), "eval_samples": dict(low=1)})
     if args.group_size < 2:
         raise DataError(f"--group-size {args.group_size}: the advantage compares samples of one task, "
                         "so at least 2 are needed (4 is a good start)")
@@ -333,17 +355,21 @@ class Job:
     tasks: list
     tokenizer: object
     fmt: dict
-    prompts: list  # rendered first-prompt token ids, one per task
+    prompts: list  # rendered first-prompt token ids, one per task (training tasks, then held-out ones)
     loss_config: dict | None
     tasks_sha256: str
+    n_train: int = 0  # tasks[:n_train] are trained on, tasks[n_train:] only evaluated
 
 
 def prepare(args) -> Job:
     """Tasks, tokenizer, format and rendered prompts; everything checked that can be without Tinker."""
-    env = load_env(args.env)
-    tasks = list(env["tasks"])
-    if not tasks:
+    env = load_env(args.env, args.rehearse)
+    if not env["tasks"]:
         raise DataError(f"the task list of --env {args.env} is empty; fill TASKS in the EDIT ME block")
+    if args.eval_every and not env["eval_tasks"]:
+        raise DataError(f"--eval-every {args.eval_every}: the example has no EVAL_TASKS; add held-out tasks "
+                        "in the EDIT ME block or drop --eval-every")
+    tasks = list(env["tasks"]) + list(env["eval_tasks"] or [])
     tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
     tokenizer = load_tokenizer(tokenizer_name)
     messages = []
@@ -368,14 +394,14 @@ def prepare(args) -> Job:
     prompts = [generation_prompt(m, tokenizer, fmt, tools=env["tools"]) for m in messages]
     digest = hashlib.sha256(json.dumps(tasks, sort_keys=True, default=str).encode()).hexdigest()
     lengths = [len(p) for p in prompts]
-    say(f"{len(tasks)} tasks (--env {args.env}), prompts {min(lengths)}-{max(lengths)} tokens, max "
+    say(f"{len(env['tasks'])} tasks + {len(tasks) - len(env['tasks'])} held out (--env {args.env}), prompts {min(lengths)}-{max(lengths)} tokens, max "
         f"{args.max_tokens} tokens per turn, up to {args.max_turns if env['env_step'] else 1} turn(s)")
-    return Job(env, tasks, tokenizer, fmt, prompts, loss_fn_config(args), digest)
+    return Job(env, tasks, tokenizer, fmt, prompts, loss_fn_config(args), digest, len(env["tasks"]))
 
 
 def run_config(args, job, context_window):
     config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
-    config.update(loss_fn_config=job.loss_config, context_window=context_window, n_tasks=len(job.tasks),
+    config.update(loss_fn_config=job.loss_config, context_window=context_window, n_tasks=job.n_train,
                   tasks_sha256=job.tasks_sha256, format=job.fmt)
     return config
 
@@ -610,13 +636,25 @@ class Rollouts:
         self.in_flight = asyncio.Semaphore(self.args.max_in_flight)
         return list(await asyncio.gather(*(self.group(sampler, t, s) for t, s in zip(task_indices, seeds))))
 
-    async def group(self, sampler, task_index, seed):
+    async def group(self, sampler, task_index, seed, n=None, temperature=None):
         """One group: the first turn of all its samples in one call, then each episode on its own."""
         prompt = self.job.prompts[task_index]
-        response = await self.sample(sampler, prompt, self.args.group_size, self.params(len(prompt), seed))
-        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq)
+        params = self.params(len(prompt), seed, temperature)
+        response = await self.sample(sampler, prompt, n or self.args.group_size, params)
+        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature)
                                           for i, seq in enumerate(response.sequences)))
         return Group(task_index, seed, list(episodes))
+
+    async def evaluate(self, sampler, k, seed):
+        """Held-out tasks: the mean reward of one greedy episode each, and pass@k (the share of tasks where
+        one of k samples scores PASS_REWARD or more)."""
+        held_out = range(self.job.n_train, len(self.job.tasks))
+        greedy, sampled = await asyncio.gather(
+            asyncio.gather(*(self.group(sampler, t, seed, 1, 0.0) for t in held_out)),
+            asyncio.gather(*(self.group(sampler, t, seed, k) for t in held_out)))
+        passed = [max(e.reward for e in g.episodes) >= PASS_REWARD for g in sampled]
+        return {"eval/greedy_reward": sum(g.episodes[0].reward for g in greedy) / len(greedy),
+                f"eval/pass@{k}": sum(passed) / len(passed), "eval/tasks": len(passed)}
 
     async def sample(self, sampler, prompt, n, params):
         import tinker
@@ -632,14 +670,15 @@ class Rollouts:
                     self.retries += 1
             await asyncio.sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt) * (0.75 + 0.25 * random.random()))
 
-    def params(self, prompt_len, seed):
+    def params(self, prompt_len, seed, temperature=None):
         import tinker
 
         cap = self.args.max_tokens
         if self.context_window is not None:
             cap = min(cap, self.context_window - prompt_len)
+        temperature = self.args.temperature if temperature is None else temperature
         return None if cap <= 0 else tinker.SamplingParams(
-            max_tokens=cap, temperature=self.args.temperature, stop=list(self.job.fmt["stop"]), seed=seed)
+            max_tokens=cap, temperature=temperature, stop=list(self.job.fmt["stop"]), seed=seed)
 
     async def off_loop(self, pool, fn, *args):
         """fn(*args) awaited: a coroutine function directly, a plain one in `pool` (inline without one)."""
@@ -656,9 +695,10 @@ class Rollouts:
         except ScriptError:
             raise
         except Exception as e:
-            raise DataError(f"{fn.__name__}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
+            name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__
+            raise DataError(f"{name}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
 
-    async def episode(self, sampler, task_index, seed, index, first):
+    async def episode(self, sampler, task_index, seed, index, first, temperature=None):
         """Continue one episode from its first sampled turn until the environment says done."""
         job, args = self.job, self.args
         task, env = job.tasks[task_index], job.env
@@ -669,7 +709,7 @@ class Rollouts:
         turns, total, truncated, info = [], 0.0, False, {}
         for turn_index in range(args.max_turns):
             if turn_index > 0:
-                params = self.params(len(observation), seed + 7919 * index + turn_index)
+                params = self.params(len(observation), seed + 7919 * index + turn_index, temperature)
                 if params is None:  # no room left in the context window
                     truncated = True
                     break
@@ -913,16 +953,66 @@ def _safe_eval(expression):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def load_env(name):
+def load_env(name, rehearse=False):
     """The pieces of one example: tasks, render_prompt, reward, env_step (None = single-turn), tools."""
     if name == "calculator":
         if SIMULATED_USER_TEMPERATURE > 0:
             say(f"warning: SIMULATED_USER_TEMPERATURE is {SIMULATED_USER_TEMPERATURE}: a simulated user that "
                 "samples differently inside a group adds noise the advantage credits to the policy; use 0, or "
                 "seed it from the rng env_step receives")
-        return dict(tasks=CALCULATOR_TASKS, render_prompt=calculator_render_prompt, reward=calculator_reward,
-                    env_step=calculator_env_step, tools=CALCULATOR_TOOLS)
-    return dict(tasks=TASKS, render_prompt=render_prompt, reward=reward, env_step=env_step, tools=None)
+        env = dict(tasks=CALCULATOR_TASKS[:56], eval_tasks=CALCULATOR_TASKS[56:], render_prompt=calculator_render_prompt,
+                   reward=calculator_reward, env_step=calculator_env_step, tools=CALCULATOR_TOOLS)
+    else:
+        env = dict(tasks=TASKS, eval_tasks=EVAL_TASKS, render_prompt=render_prompt, reward=reward, env_step=env_step,
+                   tools=None)
+    if not rehearse:
+        return env
+    say(f"rehearsal (--rehearse {'on' if on_local_backend() else 'on, forced'}): "
+        + ("the tiny model's task 'say something' replaces TASKS" if env["env_step"] is None else
+           "calculator episodes scored by 'said something', a first turn without a tool call is reminded")
+        + "; --rehearse off trains the example as written")
+    if env["env_step"] is None:
+        return dict(env, tasks=REHEARSAL_TASKS[:8], eval_tasks=REHEARSAL_TASKS[8:], render_prompt=rehearsal_prompt,
+                    reward=rehearsal_reward)
+    return dict(env, env_step=functools.partial(rehearsal_env_step, env["env_step"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rehearsal (--rehearse, automatic on the local backend). Its tiny random model repeats blank lines at
+# greedy and drifts into junk text now and then at temperature 1.2; it can never multiply or call a tool,
+# so the examples would tie every group. "Say something" is a reward it earns partly and unevenly, which
+# is what RL needs: the reward rises towards 1.0 within a few iterations when the pipeline is right.
+
+REHEARSAL_TASKS = [{"topic": t} for t in ("the sky", "cats", "rain", "Paris", "bread", "the sea", "music", "snow",
+                                          "trees", "coffee")]  # the last two are held out
+
+
+def on_local_backend():
+    """TINKER_BASE_URL points at this machine: the local backend (scripts/tinker_local.py), not Tinker."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname in ("127.0.0.1", "localhost", "::1")
+
+
+def rehearsal_prompt(task):
+    return [{"role": "user", "content": f"Say one word about {task['topic']}."}]
+
+
+def rehearsal_reward(task, completion):
+    """The share of the reply that is visible text (the untrained tiny model mostly writes blank lines)."""
+    return sum(not c.isspace() for c in completion) / max(1, len(completion))
+
+
+def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
+    """The shipped environment with two rehearsal changes: a first turn without a tool call gets a
+    reminder (so episodes have two turns and exercise the multi-turn datum), and the final answer is
+    scored by rehearsal_reward."""
+    if len(conversation) == 1 and "<tool_call>" not in model_turn:
+        return {"role": "user", "content": "Use the calculator tool first."}, 0.0, False, {"reminders": 1}
+    observation, step_reward, done, *info = shipped_env_step(task, conversation, model_turn, rng)
+    if done:
+        step_reward = rehearsal_reward(task, model_turn)
+    return (observation, step_reward, done, *info)
 
 
 # ==== SHARED CODE (generated from common/: errors, flags, render, run_record, training, service) ====
@@ -1083,8 +1173,11 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
+import multiprocessing
 import os
+from pathlib import Path
 
 
 FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
@@ -1438,8 +1531,35 @@ def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) 
     return raw_format(tokenizer, name=tokenizer_name)
 
 
-def render_all(examples, tokenizer, fmt, train_on) -> list:
-    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+POOL_MIN_EXAMPLES = 2000  # below this a process pool costs more than it saves
+CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not worth a file
+_POOL_JOB = None  # (tokenizer, fmt, train_on), inherited by forked render workers
+
+
+def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line.
+
+    Large sets render in a process pool over every core (forked, so each worker inherits the tokenizer;
+    the per-datum checks run unchanged in the workers). With cache_dir, the result is kept in a file keyed
+    by (examples, tokenizer, format, train_on, rendering code), so a --resume or a real run after a dry run
+    reads it back instead of rendering again."""
+    path = None
+    if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
+        path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
+        cached = _read_render_cache(path)
+        if cached is not None:
+            return cached
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods():
+        out = _render_in_pool(examples, tokenizer, fmt, train_on, workers)
+    else:
+        out = _render_serial(examples, tokenizer, fmt, train_on)
+    if path is not None:
+        _write_render_cache(path, out)
+    return out
+
+
+def _render_serial(examples, tokenizer, fmt, train_on) -> list:
     out = []
     for ex in examples:
         try:
@@ -1447,6 +1567,55 @@ def render_all(examples, tokenizer, fmt, train_on) -> list:
         except RenderError as e:
             raise RenderError(f"line {ex['line']}: {e}") from None
     return out
+
+
+def _render_chunk(chunk):
+    tokenizer, fmt, train_on = _POOL_JOB
+    return [(line, r.tokens, r.weights) for line, r in _render_serial(chunk, tokenizer, fmt, train_on)]
+
+
+def _render_in_pool(examples, tokenizer, fmt, train_on, workers) -> list:
+    global _POOL_JOB
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
+    size = min(max(len(examples) // (workers * 8), 200), 5000)
+    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
+    _POOL_JOB = (tokenizer, fmt, train_on)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_render_chunk, chunks)
+    finally:
+        _POOL_JOB = None
+    return [(line, Rendered(tokens, weights)) for part in parts for line, tokens, weights in part]
+
+
+def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
+    """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
+    special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
+    h = hashlib.sha256()
+    h.update(json.dumps([examples, fmt, train_on], sort_keys=True, default=str).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    with contextlib.suppress(OSError, TypeError):  # the code that renders and masks, as it runs now
+        h.update("".join(inspect.getsource(f) for f in (render_example, _render_chat_turn, _apply_template,
+                                                         generation_prompt, _merge_extensions)).encode())
+    return h.hexdigest()[:32]
+
+
+def _read_render_cache(path):
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return [(line, Rendered(tokens, weights)) for line, tokens, weights in rows]
+
+
+def _write_render_cache(path, rendered) -> None:
+    """Atomic, and never fatal: a read-only or full disk only costs the next run a render."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([[line, r.tokens, r.weights] for line, r in rendered]), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def apply_length_limit(rendered, limit, mode):
@@ -1884,7 +2053,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 24fd6b6f6eaa) ====
+# ==== END SHARED CODE (sha256 4467b09b0c7c) ====
 
 
 if __name__ == "__main__":

@@ -13,25 +13,6 @@ import tinker_rl
 pytestmark = pytest.mark.e2e
 
 
-def newline_share(task, completion):
-    """A reward the random model can learn fast: the share of an 8-token budget spent on blank lines.
-
-    At temperature 0.07 the tiny model's samples concentrate on a few tokens, among them "\\n\\n" (the
-    token its prompt ends with), so groups disagree from the start and one push moves a lot of mass."""
-    return min(1.0, completion.count("\n") / 16)
-
-
-def ascii_letter_share(task, completion):
-    """Always differs between random samples: the share of ASCII letters in the text."""
-    return sum(c.isascii() and c.isalpha() for c in completion) / max(1, len(completion))
-
-
-def small_tasks(monkeypatch, reward):
-    monkeypatch.setattr(tinker_rl, "TASKS", [{"id": i} for i in range(4)])
-    monkeypatch.setattr(tinker_rl, "render_prompt", lambda task: [{"role": "user", "content": f"Say something {task['id']}."}])
-    monkeypatch.setattr(tinker_rl, "reward", reward)
-
-
 def run_in_process(local_tinker, monkeypatch, capsys, *argv):
     local_tinker.apply(monkeypatch)
     code = tinker_rl.run_cli(tinker_rl.main, ["--tokenizer", str(local_tinker.tokenizer_dir), "--lora-rank", "8", *argv])
@@ -41,22 +22,6 @@ def run_in_process(local_tinker, monkeypatch, capsys, *argv):
 
 def rows(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def test_advantage_sign_raises_a_learnable_reward(local_tinker, monkeypatch, capsys, tmp_path):
-    small_tasks(monkeypatch, newline_share)
-    code, result, err = run_in_process(
-        local_tinker, monkeypatch, capsys, "--batch-size", "2", "--group-size", "8", "--max-tokens", "8",
-        "--iterations", "4", "--learning-rate", "0.003", "--temperature", "0.07", "--seed", "0",
-        "--save-every", "0", "--log-path", str(tmp_path / "run"))
-    assert code == 0, err
-    metrics = rows(tmp_path / "run" / "metrics.jsonl")
-    means = [m["reward_mean"] for m in metrics]
-    assert [m["iteration"] for m in metrics] == [0, 1, 2, 3]
-    assert means[0] < 0.35 and means[-1] > means[0] + 0.4, means
-    assert result["reward"] == {"first": means[0], "last": means[-1]}
-    assert all(abs(m["kl_sample_train_v1"]) < 1e-3 for m in metrics)  # sampler and learner agree
-    assert all(m["loss_fn"] == "importance_sampling" and m["tokens_sampled"] == 2 * 8 * 8 for m in metrics)
 
 
 def test_ppo_and_cispo_reach_the_server_with_their_clip_thresholds(local_tinker, monkeypatch):
@@ -103,10 +68,8 @@ def test_ppo_and_cispo_reach_the_server_with_their_clip_thresholds(local_tinker,
 
 
 def test_dro_on_the_local_backend_stops_with_a_clear_error(local_tinker, monkeypatch, capsys, tmp_path):
-    small_tasks(monkeypatch, ascii_letter_share)
-    code, result, err = run_in_process(
-        local_tinker, monkeypatch, capsys, "--loss-fn", "dro", "--batch-size", "2", "--group-size", "2",
-        "--max-tokens", "8", "--iterations", "2", "--log-path", str(tmp_path / "run"))
+    code, result, err = run_in_process(local_tinker, monkeypatch, capsys, "--loss-fn", "dro", "--iterations", "2",
+                                       "--log-path", str(tmp_path / "run"))
     assert code == 2 and result is None
     [line] = [x for x in err.splitlines() if x.startswith("error:")]
     assert "the server rejected --loss-fn dro" in line and "the run stops here (no checkpoint was saved yet)" in line
@@ -115,54 +78,68 @@ def test_dro_on_the_local_backend_stops_with_a_clear_error(local_tinker, monkeyp
     assert "Traceback" not in err
 
 
+def test_default_rehearsal_runs_every_iteration_with_reward_rising(local_tinker, tmp_path):
+    """The documented free rehearsal, as a subprocess with no flag but the log folder: on the local backend
+    --rehearse auto picks the task the tiny model can learn ('say something') and its settings."""
+    out = subprocess.run([sys.executable, tinker_rl.__file__, "--log-path", str(tmp_path / "run")],
+                         env=local_tinker.env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert "rehearsal (--rehearse on)" in out.stderr
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    means = [m["reward_mean"] for m in metrics]
+    print("rehearsal reward per iteration:", means)
+    assert [m["iteration"] for m in metrics] == list(range(5))
+    assert means[-1] >= means[0] + 0.3 and means[-1] >= 0.75, means
+    assert sum(m["datums"] for m in metrics) > 0
+    assert all(abs(m["kl_sample_train_v1"]) < 1e-3 for m in metrics if m["datums"])  # sampler = learner
+    assert all(m["tokens_sampled"] <= 2 * 4 * 8 for m in metrics)
+    result = json.loads(out.stdout)
+    assert result["status"] == "ok" and result["reward"] == {"first": means[0], "last": means[-1]}
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["rehearse"] is True and config["learning_rate"] == 1e-2 and config["batch_size"] * config["group_size"] == 8
+
+
 def test_base_policy_that_ties_every_group_stops_before_training(local_tinker, tmp_path):
-    """The shipped single-turn example, unchanged, as a subprocess: the random model never multiplies."""
-    out = subprocess.run([sys.executable, tinker_rl.__file__, "--tokenizer", str(local_tinker.tokenizer_dir),
-                          "--lora-rank", "8", "--batch-size", "2", "--group-size", "2", "--max-tokens", "8",
-                          "--iterations", "2", "--log-path", str(tmp_path / "run")],
+    """--rehearse off (what a run on Tinker does): the shipped example on the random model ties every
+    group at 0 (it never multiplies), and the run stops at iteration 0 with nothing trained."""
+    out = subprocess.run([sys.executable, tinker_rl.__file__, "--rehearse", "off", "--tokenizer",
+                          str(local_tinker.tokenizer_dir), "--lora-rank", "8", "--batch-size", "2", "--group-size",
+                          "2", "--max-tokens", "8", "--iterations", "2", "--log-path", str(tmp_path / "run")],
                          env=local_tinker.env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 2, out.stderr
     assert "the base policy ties every group (all 2 groups at reward [0.0])" in out.stderr
     assert out.stdout == "" and not (tmp_path / "run" / "checkpoints.jsonl").exists()
 
 
-def test_calculator_episodes_of_two_turns_train_as_one_datum_each(local_tinker, monkeypatch, capsys, tmp_path):
-    """The multi-turn example for two iterations. A random model never writes <tool_call>, so its first
-    turn is handed to the shipped environment as a call that does not parse (its error reply becomes
-    the observation); the second turn is the answer, scored by a reward random text varies on."""
-    shipped = tinker_rl.calculator_env_step
-
-    def env_step(task, conversation, model_turn, rng):
-        first_turn = not any(m["role"] == "tool" for m in conversation)
-        return shipped(task, conversation, ("<tool_call>" + model_turn) if first_turn else model_turn, rng)
-
-    monkeypatch.setattr(tinker_rl, "calculator_env_step", env_step)
-    monkeypatch.setattr(tinker_rl, "calculator_reward", ascii_letter_share)
+def test_calculator_rehearsal_trains_two_turn_episodes(local_tinker, monkeypatch, capsys, tmp_path):
+    """The multi-turn example's rehearsal: the tiny model never calls the tool, so its first turn is
+    reminded, the second is the answer ('said something'); each episode trains as one datum."""
     monkeypatch.setattr(tinker_rl, "CALCULATOR_TASKS", tinker_rl.CALCULATOR_TASKS[:4])
-    # Without the 160-token tool preamble the sequences stay in small (fast, lean) compile buckets;
-    # the preamble's rendering is checked offline (test_rl_units dry run).
+    # Without the 160-token tool preamble the sequences stay under 128 tokens (fast, lean compile
+    # buckets); the preamble's rendering is checked offline (test_rl_units dry run).
     monkeypatch.setattr(tinker_rl, "CALCULATOR_TOOLS", None)
-    code, result, err = run_in_process(
-        local_tinker, monkeypatch, capsys, "--env", "calculator", "--batch-size", "2", "--group-size", "2",
-        "--max-tokens", "8", "--max-turns", "2", "--on-truncation", "continue", "--iterations", "2",
-        "--save-every", "1", "--log-path", str(tmp_path / "run"))
+    code, result, err = run_in_process(local_tinker, monkeypatch, capsys, "--env", "calculator", "--iterations",
+                                       "3", "--save-every", "1", "--log-path", str(tmp_path / "run"))
     assert code == 0, err
+    assert "calculator episodes scored by 'said something'" in err
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
-    assert [m["iteration"] for m in metrics] == [0, 1]
+    print("calculator rehearsal reward per iteration:", [m["reward_mean"] for m in metrics],
+          "datums:", [m["datums"] for m in metrics])
+    assert [m["iteration"] for m in metrics] == [0, 1, 2]
     for m in metrics:
-        assert m["turns_mean"] == 2 and m["env/tool_parse_errors"] == 4 and m["env/answers"] == 4
-        assert m["datums"] == 4 - 2 * m["groups_tied"]  # one datum per episode of an untied group
-        assert m["tokens_sampled"] == 4 * 2 * 8 and m["loss_sum"] is not None
+        assert m["turns_mean"] == 2 and m["env/reminders"] == 8 and m["env/answers"] == 8
+        assert m["datums"] == 8 - 4 * m["groups_tied"]  # one datum per episode of an untied group
+    assert any(m["datums"] for m in metrics)
+    trained = [r for r in rows(tmp_path / "run" / "rollouts.jsonl") if r["trained"]]
+    assert trained and all(len(r["turns"]) == 2 and not r["turns"][1]["starts_datum"] for r in trained)
+    assert all("Use the calculator tool first." in r["completion_text"] for r in trained)
     ckpts = rows(tmp_path / "run" / "checkpoints.jsonl")
-    assert [(c["name"], c["next_iteration"]) for c in ckpts] == [("000001", 1), ("final", 2)]
+    assert [(c["name"], c["next_iteration"]) for c in ckpts] == [("000001", 1), ("000002", 2), ("final", 3)]
     assert ckpts[-1]["sampler_path"] and result["sampler_path"] == ckpts[-1]["sampler_path"]
-    assert result["format"]["stop"] == [151645]
 
 
 def test_resume_neither_replays_nor_skips_an_iteration(local_tinker, monkeypatch, capsys, tmp_path):
-    small_tasks(monkeypatch, ascii_letter_share)
-    common = ["--batch-size", "2", "--group-size", "2", "--max-tokens", "8", "--save-every", "1",
-              "--log-path", str(tmp_path / "run")]
+    common = ["--save-every", "1", "--log-path", str(tmp_path / "run")]
     code, _, err = run_in_process(local_tinker, monkeypatch, capsys, "--iterations", "2", *common)
     assert code == 0, err
     code, _, err = run_in_process(local_tinker, monkeypatch, capsys, "--iterations", "2", *common)
@@ -172,7 +149,7 @@ def test_resume_neither_replays_nor_skips_an_iteration(local_tinker, monkeypatch
     assert "resumed from" in err and "/weights/final" in err
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
-    assert metrics[2]["tasks"] == tinker_rl.batch_tasks(2, 4, 2, 0)
+    assert metrics[2]["tasks"] == tinker_rl.batch_tasks(2, len(tinker_rl.load_env("single", True)["tasks"]), 2, 0)
     assert metrics[2]["group_seeds"] == [tinker_rl.group_seed(0, 2, s) for s in range(2)]
     ckpts = rows(tmp_path / "run" / "checkpoints.jsonl")
     assert [(c["name"], c["next_iteration"]) for c in ckpts] == [("000001", 1), ("final", 2), ("final", 3)]

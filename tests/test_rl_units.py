@@ -170,6 +170,31 @@ def test_resume_after_a_torn_last_checkpoint_row_starts_from_the_last_complete_r
     assert json.loads(capsys.readouterr().out)["state_path"] == "tinker://fake/weights/final"
 
 
+def test_eval_rows_land_in_metrics_at_the_eval_steps(fake_tinker, qwen, tmp_path):
+    """--eval-every 2 over 5 iterations: iterations 0, 2 and 4 carry the held-out scores (greedy: one sample
+    at temperature 0 per held-out task; pass@3: three samples at the run's temperature)."""
+    log = tmp_path / "run"
+    assert fake_tinker.run("--iterations", "5", "--eval-every", "2", "--eval-samples", "3", "--log-path", str(log)) == 0
+    metrics = rows(log / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics if "eval/greedy_reward" in m] == [0, 2, 4]
+    held_out = len(tinker_rl.EVAL_TASKS)
+    first_sample = float(len(qwen[0].decode([1040])))  # the fake scores a reply by its length
+    for m in metrics:
+        if m["iteration"] % 2 == 0:
+            assert m["eval/tasks"] == held_out and m["eval/greedy_reward"] == first_sample
+            assert m["eval/pass@3"] == 1.0  # every reply scores above PASS_REWARD 1.0
+    calls = fake_tinker.sampler.calls
+    greedy = [c for c in calls if c[2].temperature == 0.0]
+    assert len(greedy) == 3 * held_out and all(c[1] == 1 for c in greedy)
+    assert sum(1 for c in calls if c[1] == 3) == 3 * held_out + 5 * 2  # pass@3 calls, 2 training groups a step
+
+
+def test_eval_without_held_out_tasks_is_refused(qwen, monkeypatch, capsys):
+    monkeypatch.setattr(tinker_rl, "EVAL_TASKS", [])
+    assert tinker_rl.run_cli(tinker_rl.main, ["--dry-run", "--tokenizer", qwen[2], "--eval-every", "5"]) == 2
+    assert "the example has no EVAL_TASKS" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("change, named", [
     (["--learning-rate", "1e-4"], "--learning-rate 4e-05 -> 0.0001"),
     (["--loss-fn", "ppo"], "--loss-fn 'importance_sampling' -> 'ppo'"),
@@ -532,7 +557,8 @@ def test_dry_run_renders_checks_and_prints_one_json_object(qwen, tmp_path):
     out = run_script("--dry-run", "--tokenizer", path, "--env", "calculator", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["status"] == "dry_run" and result["tasks"] == 64 and result["format"] == fmt
+    assert result["status"] == "dry_run" and result["format"] == fmt
+    assert (result["tasks"], result["eval_tasks"]) == (56, 8)
     assert "<tools>" in out.stderr and "calculator" in out.stderr
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
 
@@ -579,7 +605,7 @@ def test_bad_flags_are_one_line_and_exit_2_in_dry_run_and_real_run(qwen, tmp_pat
     monkeypatch.setenv("TINKER_API_KEY", "tml-test")
     monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")
     extra = ["--dry-run"] if mode == "dry-run" else ["--log-path", str(tmp_path / "run")]
-    assert tinker_rl.run_cli(tinker_rl.main, ["--tokenizer", qwen[2], *extra, *argv]) == 2
+    assert tinker_rl.run_cli(tinker_rl.main, ["--rehearse", "off", "--tokenizer", qwen[2], *extra, *argv]) == 2
     out = capsys.readouterr()
     errors = [line for line in out.err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and out.err.rstrip().endswith(errors[0])
