@@ -147,6 +147,7 @@ import tinker_rl
 
 # --rehearse off: these tasks, not the script's rehearsal task
 tinker_rl.TASKS = [{{"id": i}} for i in range(4)]
+tinker_rl.EVAL_TASKS = [{{"id": i}} for i in range(4, 6)]  # held out, same shape
 tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
 # always differs between random samples: no group ties, so iteration 0 trains
 tinker_rl.reward = lambda task, text: sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
