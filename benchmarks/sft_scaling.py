@@ -4,6 +4,7 @@
 Run:
     .venv/bin/python benchmarks/sft_scaling.py                       # 2k, 20k, 200k (about 10 min idle)
     .venv/bin/python benchmarks/sft_scaling.py --sizes 2000,20000     # quicker
+    .venv/bin/python benchmarks/sft_scaling.py --sizes '' --render-rate 4000   # render rate only, 1 core vs pool
 
 What it measures: for each size, one cold `--dry-run` (empty render cache: validate, split, render and
 mask every conversation on all cores, plan every step, price, write datums.jsonl) and one warm run (the
@@ -71,18 +72,41 @@ def dry_run(data: Path, tokenizer: str, work: Path, cache: Path) -> tuple[float,
     return seconds, json.loads(out.stdout)
 
 
+def render_rates(tokenizer_path: str, n: int, repeats: int) -> dict:
+    """Render-and-mask conversations per second in this process: one core vs the process pool, ABAB."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tinker_sft as sft
+
+    tok = sft.load_tokenizer(tokenizer_path)
+    fmt = sft.chat_format(tok, name=tokenizer_path)
+    rng = random.Random(0)
+    examples = [sft.validate_example(conversation(rng, i), i + 1) for i in range(n)]
+    rates = {"one_core": [], "pool": []}
+    for _ in range(repeats):
+        for label, workers in (("one_core", 1), ("pool", os.cpu_count() or 1)):
+            started = time.monotonic()
+            sft.render_all(examples, tok, fmt, "last-assistant", workers=workers)
+            rates[label].append(round(n / (time.monotonic() - started)))
+            say(f"render {label}: {rates[label][-1]} conversations/s")
+    return {k: {"median": sorted(v)[len(v) // 2], "min": min(v), "max": max(v), "runs": v} for k, v in rates.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="2000,20000,200000", help="comma-separated conversation counts")
     p.add_argument("--tokenizer", help="Qwen3 tokenizer folder (default: the offline one tests/assets builds)")
+    p.add_argument("--render-rate", type=int, metavar="N", default=0,
+                   help="also measure render-and-mask conversations/s on N conversations, one core vs the pool")
+    p.add_argument("--repeats", type=int, default=2, help="ABAB repeats of --render-rate")
     args = p.parse_args(argv)
-    sizes = sorted(int(s) for s in args.sizes.split(","))
+    sizes = sorted(int(s) for s in args.sizes.split(",") if s)
     tokenizer = args.tokenizer
     if tokenizer is None:
         sys.path.insert(0, str(ROOT / "tests"))
         from assets import build_tokenizers
 
         tokenizer = str(build_tokenizers.build("Qwen3-8B"))
+    rates = render_rates(tokenizer, args.render_rate, args.repeats) if args.render_rate else None
     results = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="sft_scaling_") as tmp:
@@ -98,12 +122,16 @@ def main(argv=None) -> int:
             results[n] = {"cold_seconds": round(cold, 2), "warm_seconds": round(warm, 2),
                           "cold_conversations_per_second": round(n / cold), "datums": report["datums"],
                           "steps": report["steps"], "model_input_tokens": report["tokens"]["model_input"]}
+    if not sizes:
+        print(json.dumps({"render_rate": rates, "load_average": [round(x, 2) for x in os.getloadavg()],
+                          "cores": os.cpu_count()}))
+        return 0
     smallest = sizes[0]
     ratios = {f"{n}/{smallest}": {"size": n / smallest,
                                   "cold": round(results[n]["cold_seconds"] / results[smallest]["cold_seconds"], 1),
                                   "warm": round(results[n]["warm_seconds"] / results[smallest]["warm_seconds"], 1)}
               for n in sizes[1:]}
-    print(json.dumps({"sizes": results, "ratios": ratios, "goal": "cold 200000/2000 <= 120",
+    print(json.dumps({"sizes": results, "ratios": ratios, "goal": "cold 200000/2000 <= 120", "render_rate": rates,
                       "load_average_before": [round(x, 2) for x in load_before],
                       "load_average_after": [round(x, 2) for x in os.getloadavg()], "cores": os.cpu_count()}))
     return 0
