@@ -13,9 +13,9 @@
 Run:
     # check for free (no Tinker call): renders every prompt, checks the teacher shares the student's
     # tokenizer and chat template, estimates the cost including the teacher's prefill
-    uv run tinker_distill.py --dry-run --tokenizer PATH/TO/QWEN3 --teacher Qwen/Qwen3-32B --teacher-tokenizer PATH/TO/QWEN3
-    # distil: from a bigger model, or from the final sampler checkpoint of an SFT/RL run record
-    uv run tinker_distill.py --model-name Qwen/Qwen3-8B --teacher Qwen/Qwen3-32B --log-path runs/distill1 --max-usd 5
+    uv run tinker_distill.py --dry-run --teacher runs/sft1 --prompts data/train.jsonl
+    # distil: from a bigger model of the same family, or from the final sampler checkpoint of an SFT/RL run
+    uv run tinker_distill.py --model-name Qwen/Qwen3.5-4B --teacher Qwen/Qwen3.5-397B-A17B --log-path runs/distill1 --max-usd 5
     uv run tinker_distill.py --teacher runs/sft1 --prompts data/train.jsonl --log-path runs/distill2 --max-usd 5
 
 Edit:
@@ -410,7 +410,7 @@ def check_settings(args):
         "save_every": dict(low=0), "max_usd": dict(low=0),
     })
     if not args.teacher:
-        raise DataError("no teacher: pass --teacher MODEL (e.g. Qwen/Qwen3-32B), a tinker://.../sampler_weights/NAME "
+        raise DataError("no teacher: pass --teacher MODEL (same tokenizer and chat template as --model-name), a tinker://.../sampler_weights/NAME "
                         "path, or the log folder of an SFT/RL run")
     if args.resume and args.overwrite:
         raise DataError("--resume and --overwrite contradict each other; pick one")
@@ -502,8 +502,8 @@ def check_same_rendering(student, teacher):
     if reasons:
         raise DataError(f"the teacher {teacher.label} does not share the student's tokenizer and chat template: "
                         f"{'; '.join(reasons)}. Distillation scores the student's token ids with the teacher, so "
-                        "both must read them the same way: pick a teacher of the same family (e.g. a bigger Qwen3 "
-                        "for a Qwen3 student)")
+                        "both must read them the same way: pick a teacher of the same family (e.g. a bigger Qwen3.5 "
+                        "for a Qwen3.5 student)")
 
 
 def teacher_format(student, teacher):
@@ -912,8 +912,11 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import json
+import multiprocessing
 import os
+from pathlib import Path
 
 
 FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
@@ -1267,8 +1270,35 @@ def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) 
     return raw_format(tokenizer, name=tokenizer_name)
 
 
-def render_all(examples, tokenizer, fmt, train_on) -> list:
-    """[(line, Rendered)] for every validated example; a RenderError names the example's line."""
+POOL_MIN_EXAMPLES = 2000  # below this a process pool costs more than it saves
+CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not worth a file
+_POOL_JOB = None  # (tokenizer, fmt, train_on), inherited by forked render workers
+
+
+def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None) -> list:
+    """[(line, Rendered)] for every validated example; a RenderError names the example's line.
+
+    Large sets render in a process pool over every core (forked, so each worker inherits the tokenizer;
+    the per-datum checks run unchanged in the workers). With cache_dir, the result is kept in a file keyed
+    by (examples, tokenizer, format, train_on, rendering code), so a --resume or a real run after a dry run
+    reads it back instead of rendering again."""
+    path = None
+    if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
+        path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
+        cached = _read_render_cache(path)
+        if cached is not None:
+            return cached
+    workers = workers or os.cpu_count() or 1
+    if workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods():
+        out = _render_in_pool(examples, tokenizer, fmt, train_on, workers)
+    else:
+        out = _render_serial(examples, tokenizer, fmt, train_on)
+    if path is not None:
+        _write_render_cache(path, out)
+    return out
+
+
+def _render_serial(examples, tokenizer, fmt, train_on) -> list:
     out = []
     for ex in examples:
         try:
@@ -1276,6 +1306,55 @@ def render_all(examples, tokenizer, fmt, train_on) -> list:
         except RenderError as e:
             raise RenderError(f"line {ex['line']}: {e}") from None
     return out
+
+
+def _render_chunk(chunk):
+    tokenizer, fmt, train_on = _POOL_JOB
+    return [(line, r.tokens, r.weights) for line, r in _render_serial(chunk, tokenizer, fmt, train_on)]
+
+
+def _render_in_pool(examples, tokenizer, fmt, train_on, workers) -> list:
+    global _POOL_JOB
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
+    size = min(max(len(examples) // (workers * 8), 200), 5000)
+    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
+    _POOL_JOB = (tokenizer, fmt, train_on)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_render_chunk, chunks)
+    finally:
+        _POOL_JOB = None
+    return [(line, Rendered(tokens, weights)) for part in parts for line, tokens, weights in part]
+
+
+def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
+    """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
+    special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
+    h = hashlib.sha256()
+    h.update(json.dumps([examples, fmt, train_on], sort_keys=True, default=str).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    with contextlib.suppress(OSError, TypeError):  # the code that renders and masks, as it runs now
+        h.update("".join(inspect.getsource(f) for f in (render_example, _render_chat_turn, _apply_template,
+                                                         generation_prompt, _merge_extensions)).encode())
+    return h.hexdigest()[:32]
+
+
+def _read_render_cache(path):
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return [(line, Rendered(tokens, weights)) for line, tokens, weights in rows]
+
+
+def _write_render_cache(path, rendered) -> None:
+    """Atomic, and never fatal: a read-only or full disk only costs the next run a render."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([[line, r.tokens, r.weights] for line, r in rendered]), encoding="utf-8")
+        os.replace(tmp, path)
 
 
 def apply_length_limit(rendered, limit, mode):
@@ -1316,6 +1395,28 @@ from pathlib import Path
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
 
+# Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
+# cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
+# that mean the same in every script: SFT's loss is the cookbook's train_mean_nll, DPO's is not, so
+# tinker_sft.py writes that one itself.
+COOKBOOK_METRIC_NAMES = {
+    "tokens": "num_tokens", "trained_tokens": "num_loss_tokens", "eval_nll": "test/nll",
+    "reward_mean": "env/all/reward/total", "kl_sample_train_v1": "optim/kl_sample_train_v1",
+    "kl_sample_train_v2": "optim/kl_sample_train_v2",
+}
+# The cookbook renderer whose rendering a chat "format" matches (tests/test_chat_templates_oracle.py), by
+# model-id prefix: (thinking off, thinking on). First match wins; a raw format is the cookbook's role_colon.
+COOKBOOK_RENDERERS = (
+    ("Qwen/Qwen3.5", ("qwen3_5_disable_thinking", "qwen3_5")),
+    ("Qwen/Qwen3.6", ("qwen3_5_disable_thinking", "qwen3_5")),
+    ("Qwen/Qwen3-", ("qwen3_disable_thinking", "qwen3")),
+    ("meta-llama/Llama-3", ("llama3", "llama3")),
+    ("deepseek-ai/DeepSeek-V3", ("deepseekv3", "deepseekv3_thinking")),
+    ("openai/gpt-oss", ("gpt_oss_no_sysprompt", "gpt_oss_no_sysprompt")),
+    ("moonshotai/Kimi-K2", ("kimi_k2", "kimi_k2")),
+    ("nvidia/NVIDIA-Nemotron-3", ("nemotron3_disable_thinking", "nemotron3")),
+)
+
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -1348,7 +1449,10 @@ class Run:
         return rows
 
     def append(self, name, row: dict) -> None:
-        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole.
+        A metrics row also carries the cookbook's names for the values it has (COOKBOOK_METRIC_NAMES)."""
+        if name == "metrics.jsonl":
+            row = {**row, **{theirs: row[ours] for ours, theirs in COOKBOOK_METRIC_NAMES.items() if ours in row}}
         path = self.file(name)
         with open(path, "ab+") as f:
             f.seek(0, os.SEEK_END)
@@ -1431,7 +1535,7 @@ class Run:
         self.path.mkdir(parents=True, exist_ok=True)
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
-        self.write_json("config.json", config)
+        self.write_json("config.json", {**config, **cookbook_config_fields(config)})
 
     def rewind(self, name, keep) -> None:
         """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
@@ -1446,9 +1550,32 @@ class Run:
         """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
         starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
         row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
-               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra,
+               # the cookbook's names: `batch` is where training continues, `final` marks the last save
+               "batch": next(iter(position.values())), "final": name == "final"}
         self.append("checkpoints.jsonl", row)
         return row
+
+
+def cookbook_renderer_name(model_name: str, fmt: dict) -> str | None:
+    """The tinker-cookbook renderer name matching how a run renders (None when no family matches)."""
+    if (fmt or {}).get("kind") == "raw":
+        return "role_colon"
+    thinking = bool(((fmt or {}).get("template_kwargs") or {}).get("enable_thinking"))
+    for prefix, names in COOKBOOK_RENDERERS:
+        if model_name.startswith(prefix):
+            return names[thinking]
+    return None
+
+
+def cookbook_config_fields(config: dict) -> dict:
+    """config.json keys the cookbook's chz config has and tinkerscope reads (renderer, data file)."""
+    renderer = cookbook_renderer_name(config.get("model_name", ""), config.get("format") or {})
+    common = {"renderer_name": renderer, "model_name_for_tokenizer": (config.get("format") or {}).get("tokenizer")}
+    if "batch_size" in config:
+        common["batch_size"] = config["batch_size"]
+    return {"renderer_name": renderer,
+            "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
 # ---- common/training.py ----
@@ -1604,17 +1731,20 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
 
 
 def require_credentials() -> str:
-    """The API key (or token) the SDK will send, or AccessError; never prints its value."""
-    import tinker
-
+    """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
                           "from the Tinker console")
-    if not key and not tinker.auth.tinker_has_credentials():
+    if key:
+        return key
+    import tinker
+
+    if not tinker.auth.tinker_has_credentials():
         raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
                           f"or {LOCAL_HINT}")
-    return key or tinker.auth.get_tinker_token() or ""
+    return tinker.auth.get_tinker_token() or ""
 
 
 def rest_client():
@@ -1632,10 +1762,10 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     sampled): no served-model check, context window None."""
     import difflib
 
-    import tinker
-
     require_credentials()
     check_reachable()
+    import tinker
+
     if model_name is None:
         return tinker.ServiceClient(), None
     try:
@@ -1710,7 +1840,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 899fad626da3) ====
+# ==== END SHARED CODE (sha256 0fc67fc3ba73) ====
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""tinker_distill.py end to end on the local backend (tiny Qwen3 on the CPU): the teacher is the sampler
+checkpoint of a short SFT run on a memorisable set, the student is the base model, and the student's
+reverse KL to the teacher falls over iterations; a --resume continues the iteration count without
+replaying an iteration."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # SFT teacher + 8 iterations + resume
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT = ROOT / "scripts" / "tinker_sft.py"
+DISTILL = ROOT / "scripts" / "tinker_distill.py"
+# Four one-line answers the tiny model memorises in a few dozen steps (recipe in tinker_local's notes).
+PAIRS = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+         ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
+SFT_EPOCHS = 30  # 4 examples, batch 4: one step per epoch
+ITERATIONS = 8
+
+
+def run(args, local_tinker, timeout=1500):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **local_tinker.env}, timeout=timeout)
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def memorisable(tmp_path_factory):
+    path = tmp_path_factory.mktemp("distill-data") / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in PAIRS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def teacher_log(local_tinker, memorisable, tmp_path_factory):
+    log = tmp_path_factory.mktemp("distill-teacher") / "sft"
+    out = run([SFT, "--data", memorisable, "--test-data", memorisable, "--tokenizer", local_tinker.tokenizer_dir,
+               "--model-name", local_tinker.model, "--batch-size", "4", "--epochs", SFT_EPOCHS,
+               "--learning-rate", "1e-2", "--lr-schedule", "constant", "--lora-rank", "8", "--save-every", "0",
+               "--num-probes", "0", "--log-path", log], local_tinker)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["sampler_path"].startswith("tinker://")
+    return log
+
+
+def distill_args(local_tinker, teacher_log, memorisable, log, iterations, *extra):
+    return [DISTILL, "--teacher", teacher_log, "--prompts", memorisable, "--tokenizer", local_tinker.tokenizer_dir,
+            "--model-name", local_tinker.model, "--batch-size", "4", "--group-size", "2", "--max-tokens", "8",
+            "--iterations", iterations, "--learning-rate", "1e-2", "--lora-rank", "8", "--save-every", "4",
+            "--log-path", log, *extra]
+
+
+@pytest.fixture(scope="module")
+def distilled(local_tinker, teacher_log, memorisable, tmp_path_factory):
+    log = tmp_path_factory.mktemp("distill-student") / "run"
+    out = run(distill_args(local_tinker, teacher_log, memorisable, log, ITERATIONS), local_tinker)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return log, json.loads(out.stdout), out.stderr
+
+
+def test_the_students_reverse_kl_to_the_teacher_falls(distilled):
+    log, report, stderr = distilled
+    curve = [r["reverse_kl"] for r in rows(log / "metrics.jsonl")]
+    print("reverse KL per iteration:", [round(k, 4) for k in curve], file=sys.stderr)
+    assert len(curve) == ITERATIONS
+    assert report["reverse_kl"] == {"first": curve[0], "last": curve[-1]}
+    # the base student starts far from the memorised teacher (~13 nats per token on the norm-x20 tiny
+    # model); a few steps buy a visible drop, measured 12.9 -> 9.3 (first three vs last three of 8)
+    first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
+    assert last < 0.85 * first, curve
+    assert min(curve[-3:]) < min(curve[:3]), curve
+    assert f"iter {ITERATIONS}/{ITERATIONS} | reverse KL" in stderr
+
+
+def test_the_teacher_grades_every_sampled_token_and_trains_on_full_sequences(distilled):
+    log, _, _ = distilled
+    for row in rows(log / "metrics.jsonl"):
+        assert row["sequences"] == 8  # 4 prompts x 2 samples
+        assert 8 <= row["tokens_sampled"] <= 64
+        # teacher scores prompt + completion; the datum is that sequence minus its last token
+        assert row["tokens_trained"] == row["tokens_teacher"] - row["sequences"]
+        assert row["teacher_logprob"] <= 0 and row["student_logprob"] <= 0
+        assert abs(row["kl_sample_train_v1"]) < 0.05  # learner and sampler hold the same weights
+
+
+def test_the_run_record_names_the_teacher_and_ends_with_a_sampler_checkpoint(distilled, teacher_log):
+    log, report, _ = distilled
+    config = json.loads((log / "config.json").read_text())
+    teacher_final = rows(Path(teacher_log) / "checkpoints.jsonl")[-1]["sampler_path"]
+    assert config["teacher"] == teacher_final == report["teacher"]["model_path"]
+    assert config["teacher_base"] == "Qwen/Qwen3-8B"
+    checkpoints = rows(log / "checkpoints.jsonl")
+    assert [c["name"] for c in checkpoints] == ["000004", "final"]
+    assert [c["next_iteration"] for c in checkpoints] == [4, ITERATIONS]
+    assert checkpoints[-1]["sampler_path"] == report["sampler_path"]
+    assert checkpoints[-1]["format"] == config["format"] == report["format"]
+
+
+def test_resume_continues_after_the_last_iteration_without_replaying_one(distilled, local_tinker, teacher_log,
+                                                                         memorisable):
+    log, _, _ = distilled
+    out = run(distill_args(local_tinker, teacher_log, memorisable, log, ITERATIONS + 2, "--resume"), local_tinker)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"at iteration {ITERATIONS}" in out.stderr
+    assert [r["iteration"] for r in rows(log / "metrics.jsonl")] == list(range(ITERATIONS + 2))
+    checkpoints = rows(log / "checkpoints.jsonl")
+    assert checkpoints[-1]["name"] == "final" and checkpoints[-1]["next_iteration"] == ITERATIONS + 2
+    # a --resume with another --kl-coef would be a different run: refused before any call
+    bad = run(distill_args(local_tinker, teacher_log, memorisable, log, ITERATIONS + 4, "--resume", "--kl-coef", "2"),
+              local_tinker)
+    assert bad.returncode == 2
+    assert "--kl-coef 1.0 -> 2.0" in bad.stderr
