@@ -162,7 +162,7 @@ def _exit_with_parent() -> None:
 
 
 def shim_typing() -> None:
-    """Gap 1, Python 3.11 start-up: skyrl 0.4.0 declares Python >= 3.12, and on 3.11 pydantic
+    """A. Python 3.11 start-up: skyrl 0.4.0 declares Python >= 3.12, and on 3.11 pydantic
     rejects `typing.TypedDict` in skyrl/tinker/types.py ("Please use typing_extensions.TypedDict
     ... on Python < 3.12"). Everything else in skyrl byte-compiles on 3.11."""
     import typing
@@ -184,7 +184,7 @@ def apply_api_shims(api) -> None:
                  "load_weights", "asample", "LoadWeightsRequest", "SampleRequest", "app"):
         assert hasattr(api, name), f"skyrl.tinker.api.{name} is gone: the shims need skyrl==0.4.0"
 
-    # Gap 2, engine start: skyrl re-launches its engine with `uv run ...` parsed from the
+    # A. engine start: skyrl re-launches its engine with `uv run ...` parsed from the
     # parent's command line; we have no uv, so the engine re-enters this file in this venv.
     def engine_cmd(parent_cmd, engine_config):
         return [sys.executable, str(HERE), "engine",
@@ -201,7 +201,7 @@ def apply_api_shims(api) -> None:
         app.post(path)(endpoint)
         app.router.routes.insert(0, app.router.routes.pop())
 
-    # Gap 3, sampling: SDK 0.38 asserts "asample promises always carry sample_sequence_ids",
+    # B. sampling ids: SDK 0.38 asserts "asample promises always carry sample_sequence_ids",
     # one id per sample; skyrl 0.4.0 (built for SDK 0.25) returns only the request id.
     async def asample_with_sequence_ids(request, req, session=Depends(api.get_session)):
         future = await api.asample(request, req, session)
@@ -210,7 +210,7 @@ def apply_api_shims(api) -> None:
 
     route("/api/v1/asample", asample_with_sequence_ids, request=api.SampleRequest, req=Request)
 
-    # Gap 4, restore: SDK 0.38's create_training_client_from_state* sends one load_weights with
+    # B. restore: SDK 0.38's create_training_client_from_state* sends one load_weights with
     # {session_id, model_seq_id, path, optimizer} and no model_id, then addresses the model as
     # "{session_id}:train:{model_seq_id}". Create that model (rank and base model taken from the
     # checkpoint's run) and hand over to skyrl's own load_weights.
@@ -237,7 +237,7 @@ def apply_api_shims(api) -> None:
 
     route("/api/v1/load_weights", load_weights_or_create, req=Request)
 
-    # Adapter slots: SDK 0.38's ServiceClient.close() posts sessions/{id}/finish, which skyrl
+    # B/C. session finish: SDK 0.38's ServiceClient.close() posts sessions/{id}/finish, which skyrl
     # lacks (404). Unload the session's models there so a finished client frees its LoRA slot
     # now instead of after the stale-session timeout.
     async def finish_session(session_id, session=Depends(api.get_session)):
@@ -257,7 +257,7 @@ def apply_api_shims(api) -> None:
 
     route("/api/v1/sessions/{session_id}/finish", finish_session, session_id=str)
 
-    # Context window: SDK 0.38 scripts check prompts against SupportedModel.max_context_length
+    # B. context window: SDK 0.38 scripts check prompts against SupportedModel.max_context_length
     # (Tinker reports it); skyrl reports only the name. Report Tinker's window for the name.
     async def capabilities_with_context(request):
         name = request.app.state.engine_config.base_model
@@ -268,7 +268,7 @@ def apply_api_shims(api) -> None:
     app.get("/api/v1/get_server_capabilities")(capabilities_with_context)
     app.router.routes.insert(0, app.router.routes.pop())
 
-    # Run ids: SDK 0.38 names a client restored from a checkpoint "{session_id}:train:{n}" (the
+    # B. run ids: SDK 0.38 names a client restored from a checkpoint "{session_id}:train:{n}" (the
     # id our load_weights shim creates), but skyrl's checkpoint routes accept only
     # [a-zA-Z0-9_-] in {unique_id}: listing, downloading or deleting that run's checkpoints was
     # a 422. Re-register those routes, in front, without the pattern.
@@ -302,7 +302,7 @@ def apply_engine_shims() -> None:
     cleanup = engine.TinkerEngine.cleanup_stale_sessions
     filter_valid = engine.TinkerEngine._filter_valid_requests
 
-    # Gap 5, loss:sum: SDK 0.38's forward_backward_custom (and our scripts' logs) read
+    # B. loss:sum: SDK 0.38's forward_backward_custom (and our scripts' logs) read
     # metrics["loss:sum"]; skyrl returns empty metrics. The per-token loss is already
     # weight-masked, so its sum is Tinker's loss:sum.
     def model_pass_with_loss_sum(self, prepared_batch, model_pass_fn):
@@ -313,7 +313,7 @@ def apply_engine_shims() -> None:
                     sum(item["elementwise_loss"]["data"]) for item in output.loss_fn_outputs))
         return results
 
-    # Determinism: skyrl keeps one gradient accumulator for all adapter slots and clears a slot
+    # C. stale gradients: skyrl keeps one gradient accumulator for all adapter slots and clears a slot
     # only in optim_step, not when its model is deleted. A client that ends after a
     # forward_backward without optim_step (a killed run, a rejected loss, an eval) leaves its
     # gradients in the slot, and the next model given that slot adds them to its first step
@@ -328,7 +328,7 @@ def apply_engine_shims() -> None:
             self.accumulated_grads = self.accumulated_grads.reset_adapter(
                 jnp.int32(self.models[model_id].adapter_index))
 
-    # Readiness: /healthz answers seconds before the engine polls for work; requests sent
+    # A. readiness: /healthz answers seconds before the engine polls for work; requests sent
     # earlier only queue. Signal "ready" when the engine loop starts.
     def run_and_signal_ready(self):
         ready = os.environ.get("TINKER_LOCAL_READY_FILE")
@@ -336,7 +336,7 @@ def apply_engine_shims() -> None:
             Path(ready).write_text(str(os.getpid()))
         return run(self)
 
-    # Sampler paths: Tinker names them tinker://<model_id>/sampler_weights/<name> (and our run
+    # B. sampler paths: Tinker names them tinker://<model_id>/sampler_weights/<name> (and our run
     # records store that); skyrl 0.4.0 returns tinker://<model_id>/<name>. Both forms sample.
     def save_for_sampler_with_kind(self, model_id, request_data):
         output = save_for_sampler(self, model_id, request_data)
@@ -346,7 +346,7 @@ def apply_engine_shims() -> None:
             output.path = f"{prefix}sampler_weights/{path[len(prefix):]}"
         return output
 
-    # Adapter slots: skyrl expires a session when last_heartbeat_at is older than the timeout,
+    # C. silent sessions: skyrl expires a session when last_heartbeat_at is older than the timeout,
     # but that column stays NULL until the first heartbeat (10 s after start), so a client
     # process that ends sooner (most short scripts and tests) never expires and its LoRA slot
     # leaks for the server's lifetime. Count such a session as last seen at its creation.
@@ -358,7 +358,7 @@ def apply_engine_shims() -> None:
             session.commit()
         return cleanup(self)
 
-    # Sampler checkpoints: skyrl samples a checkpoint by loading it into the adapter slot of the
+    # C. sampler checkpoints: skyrl samples a checkpoint by loading it into the adapter slot of the
     # training model that saved it. So a checkpoint cannot be sampled once that model is
     # unloaded ("Model X not loaded": every finished run), and sampling an older checkpoint
     # overwrites the weights a live training client is training. Tinker serves sampler
