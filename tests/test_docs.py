@@ -1286,3 +1286,21 @@ def test_setup_apply_chat_template_claim_holds_for_the_installed_transformers(of
     text = " ".join((REFERENCES / "setup.md").read_text(encoding="utf-8").split())
     assert "returns a `BatchEncoding` (a dict with `input_ids`, `attention_mask`)" in text
     assert "pass `return_dict=False`" in text
+
+
+def test_skill_json_keys_are_keys_the_scripts_emit():
+    """Every key SKILL.md lists after 'JSON:' for a script is a dict key in that script's source."""
+    bullets = re.split(r"\n- ", "\n".join(section_lines(SKILL.read_text(encoding="utf-8"), "scripts")))
+    checked = 0
+    for bullet in bullets:
+        m = re.match(r"`scripts/(tinker_\w+)\.py", bullet)
+        if not m or "JSON:" not in bullet:
+            continue
+        source = (SCRIPTS / f"{m.group(1)}.py").read_text(encoding="utf-8")
+        json_part = " ".join(bullet.split("JSON:", 1)[1].split())
+        json_part = re.split(r"\.\s", json_part)[0]
+        keys = re.findall(r"`([a-z_]+)`", json_part)
+        missing = [k for k in keys if not re.search(rf"""["']{k}["']\s*[:\]]|\b{k}=""", source)]
+        assert not missing, f"{m.group(1)}: SKILL.md lists {missing}, which the script never emits"
+        checked += 1
+    assert checked >= 6, checked
