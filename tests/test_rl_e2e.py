@@ -143,7 +143,7 @@ def test_resume_neither_replays_nor_skips_an_iteration(local_tinker, monkeypatch
     code, _, err = run_in_process(local_tinker, monkeypatch, capsys, "--iterations", "2", *common)
     assert code == 0, err
     code, _, err = run_in_process(local_tinker, monkeypatch, capsys, "--iterations", "2", *common)
-    assert code == 2 and "add --resume" in err
+    assert code == 2 and "already holds a run; pass --resume to continue it" in err
     code, result, err = run_in_process(local_tinker, monkeypatch, capsys, "--iterations", "3", "--resume", *common)
     assert code == 0, err
     assert "resumed from" in err and "/weights/final" in err
@@ -154,4 +154,4 @@ def test_resume_neither_replays_nor_skips_an_iteration(local_tinker, monkeypatch
     ckpts = rows(tmp_path / "run" / "checkpoints.jsonl")
     assert [(c["name"], c["next_iteration"]) for c in ckpts] == [("000001", 1), ("final", 2), ("final", 3)]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["format"] == result["format"] and config["iterations"] == 3
+    assert config["format"] == result["format"] and config["iterations"] == 2  # never rewritten on resume
