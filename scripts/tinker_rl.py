@@ -1656,6 +1656,28 @@ from pathlib import Path
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
 
+# Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
+# cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
+# that mean the same in every script: SFT's loss is the cookbook's train_mean_nll, DPO's is not, so
+# tinker_sft.py writes that one itself.
+COOKBOOK_METRIC_NAMES = {
+    "tokens": "num_tokens", "trained_tokens": "num_loss_tokens", "eval_nll": "test/nll",
+    "reward_mean": "env/all/reward/total", "kl_sample_train_v1": "optim/kl_sample_train_v1",
+    "kl_sample_train_v2": "optim/kl_sample_train_v2",
+}
+# The cookbook renderer whose rendering a chat "format" matches (tests/test_chat_templates_oracle.py), by
+# model-id prefix: (thinking off, thinking on). First match wins; a raw format is the cookbook's role_colon.
+COOKBOOK_RENDERERS = (
+    ("Qwen/Qwen3.5", ("qwen3_5_disable_thinking", "qwen3_5")),
+    ("Qwen/Qwen3.6", ("qwen3_5_disable_thinking", "qwen3_5")),
+    ("Qwen/Qwen3-", ("qwen3_disable_thinking", "qwen3")),
+    ("meta-llama/Llama-3", ("llama3", "llama3")),
+    ("deepseek-ai/DeepSeek-V3", ("deepseekv3", "deepseekv3_thinking")),
+    ("openai/gpt-oss", ("gpt_oss_no_sysprompt", "gpt_oss_no_sysprompt")),
+    ("moonshotai/Kimi-K2", ("kimi_k2", "kimi_k2")),
+    ("nvidia/NVIDIA-Nemotron-3", ("nemotron3_disable_thinking", "nemotron3")),
+)
+
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -1688,7 +1710,10 @@ class Run:
         return rows
 
     def append(self, name, row: dict) -> None:
-        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole."""
+        """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole.
+        A metrics row also carries the cookbook's names for the values it has (COOKBOOK_METRIC_NAMES)."""
+        if name == "metrics.jsonl":
+            row = {**row, **{theirs: row[ours] for ours, theirs in COOKBOOK_METRIC_NAMES.items() if ours in row}}
         path = self.file(name)
         with open(path, "ab+") as f:
             f.seek(0, os.SEEK_END)
@@ -1771,7 +1796,7 @@ class Run:
         self.path.mkdir(parents=True, exist_ok=True)
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
-        self.write_json("config.json", config)
+        self.write_json("config.json", {**config, **cookbook_config_fields(config)})
 
     def rewind(self, name, keep) -> None:
         """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
@@ -1786,9 +1811,32 @@ class Run:
         """Append the checkpoints.jsonl row of a save whose paths are known; `position` is where a resume
         starts ({"next_batch": n} for SFT, {"next_iteration": n} for RL), so it neither replays nor skips."""
         row = {"name": name, "step": step, **position, "epoch": epoch, "state_path": state_path,
-               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra}
+               "sampler_path": sampler_path, "format": fmt, "time": now_iso(), **extra,
+               # the cookbook's names: `batch` is where training continues, `final` marks the last save
+               "batch": next(iter(position.values())), "final": name == "final"}
         self.append("checkpoints.jsonl", row)
         return row
+
+
+def cookbook_renderer_name(model_name: str, fmt: dict) -> str | None:
+    """The tinker-cookbook renderer name matching how a run renders (None when no family matches)."""
+    if (fmt or {}).get("kind") == "raw":
+        return "role_colon"
+    thinking = bool(((fmt or {}).get("template_kwargs") or {}).get("enable_thinking"))
+    for prefix, names in COOKBOOK_RENDERERS:
+        if model_name.startswith(prefix):
+            return names[thinking]
+    return None
+
+
+def cookbook_config_fields(config: dict) -> dict:
+    """config.json keys the cookbook's chz config has and tinkerscope reads (renderer, data file)."""
+    renderer = cookbook_renderer_name(config.get("model_name", ""), config.get("format") or {})
+    common = {"renderer_name": renderer, "model_name_for_tokenizer": (config.get("format") or {}).get("tokenizer")}
+    if "batch_size" in config:
+        common["batch_size"] = config["batch_size"]
+    return {"renderer_name": renderer,
+            "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
 # ---- common/training.py ----
@@ -2053,7 +2101,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 4467b09b0c7c) ====
+# ==== END SHARED CODE (sha256 2cdb0db5a2ab) ====
 
 
 if __name__ == "__main__":
