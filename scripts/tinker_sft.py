@@ -265,6 +265,7 @@ def train(args, job, run, service, resume_row):
                "loss_per_datum": result.metrics.get("loss:sum", float("nan")) / len(pending["batch"]),
                "learning_rate": pending["lr"], "tokens": sum(len(r.tokens) - 1 for r in pending["batch"]),
                "trained_tokens": int(sum(sum(m) for m in masks)), "seconds": round(now - last_time, 3)}
+        row["train_mean_nll"] = row["loss"]  # the cookbook's name for it, so cookbook tools read this run
         last_time = now
         if pending["eval"] is not None:  # queued right after this step: it sees the weights after `done` steps
             sampler = pending["eval"]["sampler"].result() if pending["eval"]["sampler"] is not None else None
