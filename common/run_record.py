@@ -11,7 +11,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from errors import DataError  # splice: drop
+from errors import DataError, say  # splice: drop
 from render import tokenizer_record  # splice: drop
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
@@ -137,9 +137,10 @@ class Run:
         """DataError naming every setting in `keys` (and the format) that differs from the saved run.
         config.json is never rewritten on resume: the saved settings stay the record of the run."""
         saved = self.config()
-        if not saved:
-            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
-                            "run cannot be checked (start a new run with --overwrite)")
+        if not saved:  # a folder holding only checkpoints.jsonl (copied, or written by other tools)
+            say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
+                "saved run cannot be compared with these; continuing from its last checkpoint as asked")
+            return
         diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
                  for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})

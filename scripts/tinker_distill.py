@@ -39,7 +39,7 @@ Requires:
 
 Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (prompts, flags, unknown model, a
 teacher whose tokenizer or chat template differs from the student's), 3 cost estimate above --max-usd,
-4 no credentials or Tinker unreachable, 130 interrupted (resume with --resume).
+4 no credentials or Tinker unreachable, 130 interrupted / 143 terminated (resume with --resume).
 
 Why a sibling of tinker_rl.py rather than a --teacher flag on it: distillation has no reward function,
 no groups (advantages are not compared inside a group, so --group-size only shares a prompt's prefill)
@@ -1516,9 +1516,10 @@ class Run:
         """DataError naming every setting in `keys` (and the format) that differs from the saved run.
         config.json is never rewritten on resume: the saved settings stay the record of the run."""
         saved = self.config()
-        if not saved:
-            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
-                            "run cannot be checked (start a new run with --overwrite)")
+        if not saved:  # a folder holding only checkpoints.jsonl (copied, or written by other tools)
+            say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
+                "saved run cannot be compared with these; continuing from its last checkpoint as asked")
+            return
         diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
                  for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
@@ -1840,7 +1841,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 0fc67fc3ba73) ====
+# ==== END SHARED CODE (sha256 603df6b319c6) ====
 
 
 if __name__ == "__main__":

@@ -36,12 +36,13 @@ Outputs:
 
 Requires:
     TINKER_API_KEY (not for --dry-run); TINKER_BASE_URL to point at a local rehearsal backend
-    (scripts/tinker_local.py). torch (forward_backward_custom computes the loss here). --tokenizer PATH, or
+    (scripts/tinker_local.py). torch (forward_backward_custom computes the loss here; `pip install torch`, on a CPU-only machine
+    the CPU build). --tokenizer PATH, or
     HF_HUB_OFFLINE=1 with a warm cache, to run offline.
 
 Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (data, flags, unknown model, context
 overflow, no checkpoint to resume), 3 cost estimate above --max-usd, 4 no credentials or Tinker
-unreachable, 130 interrupted (continue with --resume).
+unreachable, 130 interrupted / 143 terminated (continue with --resume).
 
 Loss (Rafailov et al. 2023): per pair, d = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) -
 log ref(rejected)), each log-probability summed over the completion tokens (weights 1, never normalised:
@@ -1369,9 +1370,10 @@ class Run:
         """DataError naming every setting in `keys` (and the format) that differs from the saved run.
         config.json is never rewritten on resume: the saved settings stay the record of the run."""
         saved = self.config()
-        if not saved:
-            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
-                            "run cannot be checked (start a new run with --overwrite)")
+        if not saved:  # a folder holding only checkpoints.jsonl (copied, or written by other tools)
+            say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
+                "saved run cannot be compared with these; continuing from its last checkpoint as asked")
+            return
         diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
                  for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
@@ -1693,7 +1695,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 0fc67fc3ba73) ====
+# ==== END SHARED CODE (sha256 603df6b319c6) ====
 
 
 if __name__ == "__main__":

@@ -455,7 +455,11 @@ def load_sampling_tokenizer(name_or_path: str | None):
 def format_stop_ids(fmt: dict, tokenizer) -> list[int]:
     """The format's stop token ids: as recorded, else the end-of-turn token the shared renderer trains."""
     recorded = [int(t) for t in fmt.get("stop") or [] if isinstance(t, int) or str(t).isdigit()]
-    return sorted(set(recorded)) if recorded else stop_tokens(tokenizer, fmt)
+    if recorded:
+        return sorted(set(recorded))
+    if fmt.get("kind") == "chat" and "template_kwargs" not in fmt:  # a model by name: its default chat format
+        fmt = chat_format(tokenizer, name=fmt.get("tokenizer") or "the tokenizer")
+    return stop_tokens(tokenizer, fmt)
 
 
 def check_template(fmt: dict, tokenizer) -> bool | None:
@@ -1941,9 +1945,10 @@ class Run:
         """DataError naming every setting in `keys` (and the format) that differs from the saved run.
         config.json is never rewritten on resume: the saved settings stay the record of the run."""
         saved = self.config()
-        if not saved:
-            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
-                            "run cannot be checked (start a new run with --overwrite)")
+        if not saved:  # a folder holding only checkpoints.jsonl (copied, or written by other tools)
+            say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
+                "saved run cannot be compared with these; continuing from its last checkpoint as asked")
+            return
         diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
                  for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
@@ -2165,7 +2170,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 acef98ad7540) ====
+# ==== END SHARED CODE (sha256 124ec9b9b767) ====
 
 
 if __name__ == "__main__":

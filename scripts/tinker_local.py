@@ -631,10 +631,10 @@ def main(argv: list[str] | None = None) -> int:
         args.venv, args.home = resolve_venv(args.venv), resolve_home(args.home)
         return {"setup": cmd_setup, "serve": cmd_serve, "run": cmd_run}[args.sub](args)
     except UsageError as exc:
-        say(str(exc))
+        say(f"error: {exc}")
         return 2
     except LocalError as exc:
-        say(str(exc))
+        say(f"error: {exc}")
         return 1
     except KeyboardInterrupt:
         say("interrupted; server stopped")

@@ -200,7 +200,6 @@ def main(argv=None):
         return dry_run(args, job)
 
     run = Run(args.log_path, extra_files=("rollouts.jsonl",))
-    check_writable_dir(args.log_path, "--log-path")
     resume_row = run.resume_point(resume=args.resume, overwrite=args.overwrite)
     check_context(args, job, args.context_window)
     service, context_window = connect(args.model_name)
@@ -327,6 +326,7 @@ def check_settings(args):
         args.max_tokens = 4096 if any(m.lower() in args.model_name.lower() for m in REASONING_MODELS) else 256
     if args.log_path is None:
         args.log_path = f"runs/rl-{args.env}"
+    check_writable_dir(args.log_path, "--log-path")
     loss_fn_config(args)  # flag combinations, checked here so the dry run refuses them too
 
 
@@ -829,6 +829,13 @@ def iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds,
     }
     for key in sorted({k for e in episodes for k in e.info}):
         row[f"env/{key}"] = sum(e.info.get(key, 0) for e in episodes)
+    # The cookbook's group fractions: a tied group is "all good" when its common reward is above 0
+    # (every sample passed), "all bad" otherwise; the rest are mixed and carry the signal.
+    tied_rewards = [g.episodes[0].reward for g in groups
+                    if max(e.reward for e in g.episodes) - min(e.reward for e in g.episodes) < 1e-9]  # as build_batch
+    row["by_group/frac_all_good"] = sum(r > 0 for r in tied_rewards) / len(groups)
+    row["by_group/frac_all_bad"] = sum(r <= 0 for r in tied_rewards) / len(groups)
+    row["by_group/frac_mixed"] = 1 - len(tied_rewards) / len(groups)
     return row
 
 
@@ -1777,9 +1784,10 @@ class Run:
         """DataError naming every setting in `keys` (and the format) that differs from the saved run.
         config.json is never rewritten on resume: the saved settings stay the record of the run."""
         saved = self.config()
-        if not saved:
-            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
-                            "run cannot be checked (start a new run with --overwrite)")
+        if not saved:  # a folder holding only checkpoints.jsonl (copied, or written by other tools)
+            say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
+                "saved run cannot be compared with these; continuing from its last checkpoint as asked")
+            return
         diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
                  for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
@@ -2101,7 +2109,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 2cdb0db5a2ab) ====
+# ==== END SHARED CODE (sha256 9bf8aa6e301e) ====
 
 
 if __name__ == "__main__":

@@ -265,7 +265,8 @@ def train(args, job, run, service, resume_row):
                "loss_per_datum": result.metrics.get("loss:sum", float("nan")) / len(pending["batch"]),
                "learning_rate": pending["lr"], "tokens": sum(len(r.tokens) - 1 for r in pending["batch"]),
                "trained_tokens": int(sum(sum(m) for m in masks)), "seconds": round(now - last_time, 3)}
-        row["train_mean_nll"] = row["loss"]  # the cookbook's name for it, so cookbook tools read this run
+        row["train_mean_nll"] = row["loss"]  # the cookbook's names for these, so cookbook tools read this run
+        row["progress"] = done / job.total_steps
         last_time = now
         if pending["eval"] is not None:  # queued right after this step: it sees the weights after `done` steps
             sampler = pending["eval"]["sampler"].result() if pending["eval"]["sampler"] is not None else None
@@ -1525,9 +1526,10 @@ class Run:
         """DataError naming every setting in `keys` (and the format) that differs from the saved run.
         config.json is never rewritten on resume: the saved settings stay the record of the run."""
         saved = self.config()
-        if not saved:
-            raise DataError(f"--resume: {self.file('config.json')} is missing or unreadable; the settings of the "
-                            "run cannot be checked (start a new run with --overwrite)")
+        if not saved:  # a folder holding only checkpoints.jsonl (copied, or written by other tools)
+            say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
+                "saved run cannot be compared with these; continuing from its last checkpoint as asked")
+            return
         diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
                  for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
@@ -1849,7 +1851,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 0fc67fc3ba73) ====
+# ==== END SHARED CODE (sha256 603df6b319c6) ====
 
 
 if __name__ == "__main__":

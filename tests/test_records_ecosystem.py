@@ -11,15 +11,16 @@ What tinkerscope 1.6.1 reads (tinkerscope/api/discovery.py, `scan_runs`):
     int(name) ("000002" -> 2), else `batch` when it is an int > 0 ("final" needs `batch`);
   - metrics.jsonl: nothing (the cookbook's names are checked here against our rows instead).
 
-tinkerscope is installed without its dependencies: `pip install tinkerscope==1.6.1` pulls tinker-cookbook,
-which downgrades transformers/tokenizers/huggingface_hub in this venv; discovery needs only python-dotenv.
+tinkerscope is installed without its dependencies, into a cache folder of its own (`tinkerscope_dir()`):
+`pip install tinkerscope==1.6.1` pulls tinker-cookbook, which downgrades transformers/tokenizers/
+huggingface_hub in this venv; discovery needs only python-dotenv.
 The real-run tests check the fields the shared run-record code writes (common/run_record.py, issue 15).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-INSTALL = f"{sys.executable} -m pip install --no-deps tinkerscope==1.6.1 python-dotenv"
+TINKERSCOPE_DIR = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                   / "tinker-training-inference" / "tinkerscope-1.6.1")
 # cookbook renderer names a Qwen3-8B run can be recorded with (notes/cookbook-facts.md 1.2)
 QWEN3_RENDERERS = {"qwen3", "qwen3_disable_thinking", "qwen3_instruct"}
 
@@ -39,14 +41,26 @@ print(json.dumps([run_to_dict(r) for r in scan_runs()]))
 """
 
 
+def tinkerscope_dir():
+    """A folder holding tinkerscope 1.6.1 and python-dotenv only (pip --target, once per machine, from PyPI)."""
+    if not (TINKERSCOPE_DIR / "tinkerscope" / "api" / "discovery.py").exists():
+        partial = TINKERSCOPE_DIR.with_name(TINKERSCOPE_DIR.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(partial),
+                              "tinkerscope==1.6.1", "python-dotenv"], capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            pytest.fail(f"cannot install tinkerscope==1.6.1 from PyPI into {partial}: {out.stderr[-800:]}")
+        partial.rename(TINKERSCOPE_DIR)
+    return TINKERSCOPE_DIR
+
+
 def tinkerscope_discovery(root, tmp_path, server_env=None):
     """tinkerscope's own scan of `root` as plain dicts: offline (no TINKER_API_KEY, no probes) unless
     server_env gives a key and a base URL. Its settings are read once at import from
     TINKERSCOPE_SCAN_ROOTS, so it runs in a fresh process."""
-    if importlib.util.find_spec("tinkerscope") is None or importlib.util.find_spec("dotenv") is None:
-        pytest.fail(f"tinkerscope is not installed in this venv; install it with: {INSTALL}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "TINKERSCOPE_"))}
-    env.update(server_env or {}, TINKERSCOPE_SCAN_ROOTS=str(root), XDG_STATE_HOME=str(tmp_path / "state"))
+    env.update(server_env or {}, TINKERSCOPE_SCAN_ROOTS=str(root), XDG_STATE_HOME=str(tmp_path / "state"),
+               PYTHONPATH=str(tinkerscope_dir()))
     out = subprocess.run([sys.executable, "-c", DISCOVER], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
