@@ -81,7 +81,8 @@ DEFAULT_LOSS_CONFIG = {
     "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},  # one-sided, as in ScaleRL
     "dro": {"beta": 0.05},
 }
-# Models that always think before answering: their turns need room (4096 tokens unless --max-tokens).
+# Models whose turns usually start with reasoning (always, or hybrid with thinking on by default, as the price
+# catalogue lists them): their turns need room (4096 tokens unless --max-tokens).
 REASONING_MODELS = ("gpt-oss", "Kimi-K2-Thinking", "GLM-5", "Qwen3.8", "DeepSeek-V4", "Inkling")
 # 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
 # hosted Tinker answers 429 under load, and the SDK alone allows 1,000 per client (RetryConfig).

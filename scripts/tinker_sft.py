@@ -615,7 +615,26 @@ def print_outcome(args, job, report):
               + ("\n         (local backend: a checkpoint lives as long as its server: rehearse and sample under one "
                  "`python scripts/tinker_local.py serve`)" if args.rehearse else ""),
               f"took     {report.get('seconds', 0):.0f} s"]
+    page = write_report(log)
+    if page:
+        lines.insert(-1, f"report   {page} (loss, held-out NLL and learning-rate curves, probes, checkpoints)")
     say("\n".join(lines))
+
+
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None): one page a person
+    can open. A failure here costs the run nothing; the record is complete already."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import json
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 # The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's

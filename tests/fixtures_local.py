@@ -14,7 +14,8 @@ Set TINKER_TEST_BASE_URL=http://127.0.0.1:PORT to reuse a server started with
 
 A ServiceClient created during a test that uses `local_tinker` (directly, or inside a script's
 main() run in-process) is closed when that test ends. In one long pytest process an unclosed
-client keeps heartbeating, so its LoRA adapter slot (11 per server) would never come back.
+client keeps heartbeating, so its LoRA adapter slot (13 per server: MAX_LORA_ADAPTERS = 14, slot 0 is the base model;
+sampled sampler_weights/ checkpoints borrow up to SAMPLER_SLOTS = 3 and are unloaded first) would never come back.
 Clients made by module- or session-scoped fixtures are left alone.
 """
 from __future__ import annotations
