@@ -1477,9 +1477,10 @@ class Run:
                 rows.append(row)
         return rows
 
-    def append(self, name, row: dict) -> None:
+    def append(self, name, row: dict) -> dict:
         """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole.
-        A metrics row also carries the cookbook's names for the values it has (COOKBOOK_METRIC_NAMES)."""
+        A metrics row also carries the cookbook's names for the values it has (COOKBOOK_METRIC_NAMES).
+        Returns the row as written."""
         if name == "metrics.jsonl":
             row = {**row, **{theirs: row[ours] for ours, theirs in COOKBOOK_METRIC_NAMES.items() if ours in row}}
         path = self.file(name)
@@ -1492,6 +1493,7 @@ class Run:
             f.write((json.dumps(row) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
+        return row
 
     def write_json(self, name, obj) -> None:
         """Atomic replace: a kill leaves the old file or the new one, never half of one."""
@@ -1870,7 +1872,7 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 603df6b319c6) ====
+# ==== END SHARED CODE (sha256 ee162cfa166e) ====
 
 
 if __name__ == "__main__":
