@@ -210,7 +210,7 @@ def main(argv=None):
     if resume_row:
         run.check_resume(config, RESUME_KEYS)
     start = resume_row["next_iteration"] if resume_row else 0
-    estimate_cost(args, job, context_window, start)  # exit 3 here leaves the folder as it was
+    config["estimate_usd"] = estimate_total(estimate_cost(args, job, context_window, start))  # exit 3: folder unchanged
     if resume_row:  # rows past the checkpoint will be produced again
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             run.rewind(name, lambda row: row.get("iteration", -1) < start)
@@ -221,6 +221,7 @@ def main(argv=None):
         tc = service.create_lora_training_client(base_model=args.model_name, rank=args.lora_rank,
                                                  seed=args.seed).result()
     ro = Rollouts(job, args, context_window)
+    cost = CostMeter(args.model_name, run, context=context_window)  # cost/* per row, priced as the estimate
     rewards_seen = [r["reward_mean"] for r in run.rows("metrics.jsonl")]
 
     with ro.pools():
@@ -247,6 +248,7 @@ def main(argv=None):
             row = iteration_row(it, groups, batch, args, job, {**fb_metrics, **evaluated}, task_indices, seeds,
                                 seconds={"sampler_weights": t1 - t0, "sampling": t2 - t1, "training": t3 - t2},
                                 retries=ro.take_retries())
+            row.update(cost.row(train=row["tokens_trained"], **rollout_tokens(groups)))
             run.append("metrics.jsonl", row)
             if args.trace_every and it % args.trace_every == 0:
                 for trace_row in rollout_rows(it, groups, batch, job.tokenizer, job.fmt):
@@ -1952,7 +1954,7 @@ def batch_nll(result, masks) -> float:
 
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
-# and the optional cost preflight through tinker_pricing.py beside the script.
+# and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
 import importlib
 import os
 import socket
@@ -2112,7 +2114,102 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 268a5e17fe14) ====
+
+
+def estimate_total(est):
+    """The dollar total of an estimate() result (or of a bare number) for config.json's estimate_usd; None
+    when there is no estimate (tinker_pricing.py absent, model or price unknown)."""
+    if isinstance(est, dict):
+        est = (est.get("usd") or {}).get("total")
+    return est if isinstance(est, (int, float)) and not isinstance(est, bool) else None
+
+
+def sample_call_tokens(prompt_len, num_samples, sampled, cached_prefix=0) -> dict:
+    """What one sample call meters, as tinker_pricing.sample_tokens / rl_tokens count it: the prompt is
+    prefilled once (minus a prefix the server saw before, `cached_prefix`), the other num_samples - 1
+    copies are cache hits, and every generated token is sampled (`sampled`: their total)."""
+    return {"prefill": prompt_len - cached_prefix, "cached_prefill": cached_prefix + (num_samples - 1) * prompt_len,
+            "sample": sampled}
+
+
+def rollout_tokens(groups) -> dict:
+    """Sampling tokens of RL groups (objects with .episodes, each with .turns of .observation and .action
+    token lists): one call of G for a group's first turn, then one call per later turn whose prompt is a
+    cache hit up to what the server last saw of that episode (its previous prompt + sampled action), the
+    rest (the new observation) prefilled, as tinker_pricing.rl_tokens assumes."""
+    total = {"prefill": 0, "cached_prefill": 0, "sample": 0}
+    for group in groups:
+        if not group.episodes:
+            continue
+        calls = [sample_call_tokens(len(group.episodes[0].turns[0].observation), len(group.episodes),
+                                    sum(len(e.turns[0].action) for e in group.episodes))]
+        for episode in group.episodes:
+            for prev, turn in zip(episode.turns, episode.turns[1:]):
+                seen = list(prev.observation) + list(prev.action)
+                shared = next((i for i, (a, b) in enumerate(zip(seen, turn.observation)) if a != b),
+                              min(len(seen), len(turn.observation)))
+                calls.append(sample_call_tokens(len(turn.observation), 1, len(turn.action), shared))
+        for call in calls:
+            for kind, count in call.items():
+                total[kind] += count
+    return total
+
+
+class CostMeter:
+    """Dollars of the tokens a run actually sends, for its metrics rows (cost/step_usd, cost/cumulative_usd).
+
+    Each step is priced by tinker_pricing.estimate_cost with the catalogue and model row the pre-run
+    estimate uses, so the last cost/cumulative_usd compares directly with config.json's estimate_usd:
+    equal where the estimate counts exact tokens, below it where the estimate is an upper bound (sampled
+    tokens counted at --max-tokens). add() the tokens of a call when it is sent (prefill, cached_prefill,
+    sample, train; `model` for another base model, e.g. a teacher); row() prices everything added since
+    the last row. --resume: pass the Run after its rewind and the sum continues from the last row kept.
+    Without tinker_pricing.py beside the script, or a price for the model, row() returns {} (said once)."""
+
+    FIELDS = ("cost/step_usd", "cost/cumulative_usd")
+
+    def __init__(self, model_name, run=None, *, context=None):
+        self.model_name, self.context, self.pending, self.cumulative = model_name, context, {}, 0.0
+        self.pricing = load_pricing()
+        self.catalogue = self.pricing.load_catalogue()[0] if self.pricing else None
+        if self.pricing is None:
+            self.off("tinker_pricing.py is not beside this script")
+        rows = run.rows("metrics.jsonl") if run is not None else []
+        kept = [r["cost/cumulative_usd"] for r in rows if isinstance(r.get("cost/cumulative_usd"), (int, float))]
+        self.cumulative = float(kept[-1]) if kept else 0.0
+        if rows and not kept and self.pricing is not None:
+            say("note: the rows before this --resume carry no cost/cumulative_usd; the sum counts from here")
+
+    def off(self, reason):
+        say(f"no cost/step_usd or cost/cumulative_usd in metrics.jsonl: {reason}")
+        self.pricing = None
+
+    def add(self, model=None, **tokens):
+        pending = self.pending.setdefault(model or self.model_name, {})
+        for kind, count in tokens.items():
+            pending[kind] = pending.get(kind, 0) + count
+
+    def row(self, **tokens) -> dict:
+        """The two cost fields of a metrics row: what was added since the last row plus `tokens`, and the sum."""
+        self.add(**tokens)
+        pending, self.pending = self.pending, {}
+        if self.pricing is None:
+            return {}
+        step = 0.0
+        for model, counts in pending.items():
+            try:
+                est = self.pricing.estimate_cost(model, context=self.context if model == self.model_name else None,
+                                                 rows=self.catalogue, **counts)
+            except ValueError as e:  # UnknownModelError is one; so are bad counts
+                self.off(str(e))
+                return {}
+            if est["usd"]["total"] is None:
+                self.off(est["warning"])
+                return {}
+            step += est["usd"]["total"]
+        self.cumulative += step
+        return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
+# ==== END SHARED CODE (sha256 8cf1164019ff) ====
 
 
 if __name__ == "__main__":

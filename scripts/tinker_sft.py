@@ -200,6 +200,7 @@ def main(argv=None):
     print_plan(job, args)
     label = "sft" if not start else f"sft, remaining {job.total_steps - start} of {job.total_steps} steps after --resume"
     cost = estimate(args.model_name, cost_tokens(job, args, start), args.max_usd, label=label)
+    config["estimate_usd"] = estimate_total(cost)  # what the metrics rows' cost/cumulative_usd is compared with
 
     # 3. Only now may the log folder change: every check that can refuse the run has passed.
     if args.dry_run:
@@ -238,6 +239,7 @@ def train(args, job, run, service, resume_row):
     """The training loop: a LoRA training client, held-out eval before, the steps, the final save and
     the eval after. Returns the final checkpoints.jsonl row."""
     start = resume_row["next_batch"] if resume_row is not None else 0
+    job.cost = CostMeter(args.model_name, run)  # prices what each step sends; a resume continues the sum
     if resume_row is not None:
         tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
         say(f"resumed from {resume_row['state_path']} at batch {start}")
@@ -272,6 +274,7 @@ def train(args, job, run, service, resume_row):
             sampler = pending["eval"]["sampler"].result() if pending["eval"]["sampler"] is not None else None
             ev = evaluate(args, job, run, "during", done, pending["eval"]["forward"], sampler, f"step {done}")
             row.update(eval_nll=ev["nll"], **({"eval_score": ev["score"]} if "score" in ev else {}))
+        row.update(job.cost.row(train=row["tokens"]))  # this step, and the evals billed since the last row
         run.append("metrics.jsonl", row)
         say(f"step {done}/{job.total_steps} | loss {row['loss']:.4f} | lr {row['learning_rate']:.1e} | "
             f"{row['tokens']} tok | {row['seconds']:.1f}s")
@@ -335,6 +338,7 @@ class Job:
     test: list = dataclasses.field(default_factory=list)
     step_tokens: list = dataclasses.field(default_factory=list)
     probes: list = dataclasses.field(default_factory=list)
+    cost: object = None  # CostMeter, set by train()
     eval_prompts: list = dataclasses.field(default_factory=list)
     summary: dict = dataclasses.field(default_factory=dict)
 
@@ -531,6 +535,7 @@ def evaluate(args, job, run, when, step, forward, sampler, sampled_from):
            "test_tokens": int(sum(sum(trained_mask(r)) for r in job.test))}
     probes = job.probes if when != "during" else []
     scored = job.eval_prompts if args.eval_every else []
+    texts = []
     if sampler is not None and (probes or scored):
         texts = greedy_samples(sampler, probes + scored, job, args.max_tokens)
         row["sampled_from"] = sampled_from
@@ -543,6 +548,12 @@ def evaluate(args, job, run, when, step, forward, sampler, sampled_from):
             row["score"], row["scored"] = sum(marks) / len(marks), len(marks)
             row["samples"] = [{"line": p["line"], "completion": text, "score": m}
                               for p, (text, _), m in zip(scored, texts[len(probes):], marks)]
+    if job.cost is not None:  # billed: the held-out forward (train rate) and one greedy sample call per prompt
+        job.cost.add(train=held_out_tokens(job) if forward is not None else 0,
+                     prefill=sum(len(p["tokens"]) for p in (probes + scored if texts else [])),
+                     sample=sum(n for _, n in texts))
+        if when == "after":  # past the last metrics row, so the run's total is recorded here
+            row.update(job.cost.row())
     run.append("eval.jsonl", row)
     nll_text = "n/a" if nll is None else f"{nll:.4f}"
     score_text = f" | score {row['score']:.3f} on {row['scored']} held-out samples" if "score" in row else ""
@@ -1712,7 +1723,7 @@ def batch_nll(result, masks) -> float:
 
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
-# and the optional cost preflight through tinker_pricing.py beside the script.
+# and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
 import importlib
 import os
 import socket
@@ -1872,7 +1883,102 @@ def catalogue_context(model_name):
         return pricing.resolve_model(model_name).get("context") if pricing else None
     except Exception:
         return None
-# ==== END SHARED CODE (sha256 ee162cfa166e) ====
+
+
+def estimate_total(est):
+    """The dollar total of an estimate() result (or of a bare number) for config.json's estimate_usd; None
+    when there is no estimate (tinker_pricing.py absent, model or price unknown)."""
+    if isinstance(est, dict):
+        est = (est.get("usd") or {}).get("total")
+    return est if isinstance(est, (int, float)) and not isinstance(est, bool) else None
+
+
+def sample_call_tokens(prompt_len, num_samples, sampled, cached_prefix=0) -> dict:
+    """What one sample call meters, as tinker_pricing.sample_tokens / rl_tokens count it: the prompt is
+    prefilled once (minus a prefix the server saw before, `cached_prefix`), the other num_samples - 1
+    copies are cache hits, and every generated token is sampled (`sampled`: their total)."""
+    return {"prefill": prompt_len - cached_prefix, "cached_prefill": cached_prefix + (num_samples - 1) * prompt_len,
+            "sample": sampled}
+
+
+def rollout_tokens(groups) -> dict:
+    """Sampling tokens of RL groups (objects with .episodes, each with .turns of .observation and .action
+    token lists): one call of G for a group's first turn, then one call per later turn whose prompt is a
+    cache hit up to what the server last saw of that episode (its previous prompt + sampled action), the
+    rest (the new observation) prefilled, as tinker_pricing.rl_tokens assumes."""
+    total = {"prefill": 0, "cached_prefill": 0, "sample": 0}
+    for group in groups:
+        if not group.episodes:
+            continue
+        calls = [sample_call_tokens(len(group.episodes[0].turns[0].observation), len(group.episodes),
+                                    sum(len(e.turns[0].action) for e in group.episodes))]
+        for episode in group.episodes:
+            for prev, turn in zip(episode.turns, episode.turns[1:]):
+                seen = list(prev.observation) + list(prev.action)
+                shared = next((i for i, (a, b) in enumerate(zip(seen, turn.observation)) if a != b),
+                              min(len(seen), len(turn.observation)))
+                calls.append(sample_call_tokens(len(turn.observation), 1, len(turn.action), shared))
+        for call in calls:
+            for kind, count in call.items():
+                total[kind] += count
+    return total
+
+
+class CostMeter:
+    """Dollars of the tokens a run actually sends, for its metrics rows (cost/step_usd, cost/cumulative_usd).
+
+    Each step is priced by tinker_pricing.estimate_cost with the catalogue and model row the pre-run
+    estimate uses, so the last cost/cumulative_usd compares directly with config.json's estimate_usd:
+    equal where the estimate counts exact tokens, below it where the estimate is an upper bound (sampled
+    tokens counted at --max-tokens). add() the tokens of a call when it is sent (prefill, cached_prefill,
+    sample, train; `model` for another base model, e.g. a teacher); row() prices everything added since
+    the last row. --resume: pass the Run after its rewind and the sum continues from the last row kept.
+    Without tinker_pricing.py beside the script, or a price for the model, row() returns {} (said once)."""
+
+    FIELDS = ("cost/step_usd", "cost/cumulative_usd")
+
+    def __init__(self, model_name, run=None, *, context=None):
+        self.model_name, self.context, self.pending, self.cumulative = model_name, context, {}, 0.0
+        self.pricing = load_pricing()
+        self.catalogue = self.pricing.load_catalogue()[0] if self.pricing else None
+        if self.pricing is None:
+            self.off("tinker_pricing.py is not beside this script")
+        rows = run.rows("metrics.jsonl") if run is not None else []
+        kept = [r["cost/cumulative_usd"] for r in rows if isinstance(r.get("cost/cumulative_usd"), (int, float))]
+        self.cumulative = float(kept[-1]) if kept else 0.0
+        if rows and not kept and self.pricing is not None:
+            say("note: the rows before this --resume carry no cost/cumulative_usd; the sum counts from here")
+
+    def off(self, reason):
+        say(f"no cost/step_usd or cost/cumulative_usd in metrics.jsonl: {reason}")
+        self.pricing = None
+
+    def add(self, model=None, **tokens):
+        pending = self.pending.setdefault(model or self.model_name, {})
+        for kind, count in tokens.items():
+            pending[kind] = pending.get(kind, 0) + count
+
+    def row(self, **tokens) -> dict:
+        """The two cost fields of a metrics row: what was added since the last row plus `tokens`, and the sum."""
+        self.add(**tokens)
+        pending, self.pending = self.pending, {}
+        if self.pricing is None:
+            return {}
+        step = 0.0
+        for model, counts in pending.items():
+            try:
+                est = self.pricing.estimate_cost(model, context=self.context if model == self.model_name else None,
+                                                 rows=self.catalogue, **counts)
+            except ValueError as e:  # UnknownModelError is one; so are bad counts
+                self.off(str(e))
+                return {}
+            if est["usd"]["total"] is None:
+                self.off(est["warning"])
+                return {}
+            step += est["usd"]["total"]
+        self.cumulative += step
+        return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
+# ==== END SHARED CODE (sha256 2ebd99f27ac0) ====
 
 
 if __name__ == "__main__":
