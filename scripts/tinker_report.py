@@ -255,6 +255,12 @@ def figures(run):
     if cost:
         x, y, estimate, x_key = cost
         traces = [go.Scatter(x=x, y=y, name="cost so far (usd)", mode="lines+markers")]
+        # SFT's eval after the last step is billed past the last metrics row: its eval.jsonl row holds the total
+        ends = [r for r in run["eval"] if finite(r.get("cost/cumulative_usd")) is not None]
+        if ends:
+            traces.append(go.Scatter(x=[ends[-1].get("step")], y=[ends[-1]["cost/cumulative_usd"]],
+                                     name="total with the final eval (eval.jsonl)", mode="markers",
+                                     marker=dict(symbol="diamond", size=11)))
         shapes = [dict(y=estimate, line_dash="dash", line_color="firebrick",
                        annotation_text=f"estimate ${estimate:.4g}")] if estimate is not None else []
         chart("cost", "Cost so far vs the pre-run estimate", traces, x_key, "usd", shapes)

@@ -154,6 +154,33 @@ def test_cost_so_far_is_the_running_sum_with_the_estimate_as_a_line(tmp_path):
     assert line["y0"] == line["y1"] == 0.5
 
 
+def test_cost_chart_of_a_record_written_by_tinker_sft_holds_its_logged_cost(tmp_path, monkeypatch, offline_tokenizer,
+                                                                          capsys):
+    """tinker_sft.py (against the recording fake of test_sft_loop) writes cost/* per step and the total on its
+    final eval row; the chart draws exactly those, the total as a marker, the config's estimate as a line."""
+    import tinker_sft
+    from test_sft_loop import EXAMPLE, RecordingService
+
+    log = tmp_path / "sft"
+    monkeypatch.setattr(tinker_sft, "connect", lambda model_name, **_: (RecordingService(), 4096))
+    assert tinker_sft.main(["--data", str(EXAMPLE), "--tokenizer", offline_tokenizer("Qwen3-8B"), "--max-steps", "4",
+                            "--batch-size", "4", "--eval-every", "2", "--num-probes", "1", "--max-tokens", "8",
+                            "--log-path", str(log)]) == 0
+    capsys.readouterr()
+    code, _, err = run_report(log)
+    assert code == 0, err
+    fig = figures_in((log / "report.html").read_text())["cost"]
+    metrics = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    after = [json.loads(line) for line in (log / "eval.jsonl").read_text().splitlines()][-1]
+    cost = trace(fig, "cost so far (usd)")
+    assert cost["x"] == [1, 2, 3, 4] and cost["y"] == [m["cost/cumulative_usd"] for m in metrics]
+    total = trace(fig, "total with the final eval (eval.jsonl)")
+    assert total["x"] == [4] and total["y"] == [after["cost/cumulative_usd"]] and total["y"][0] > cost["y"][-1]
+    [line] = fig["layout"]["shapes"]
+    estimate = json.loads((log / "config.json").read_text())["estimate_usd"]
+    assert line["y0"] == estimate >= after["cost/cumulative_usd"]  # samples shorter than --max-tokens: below
+
+
 def test_cookbook_metric_names_are_drawn_too(tmp_path):
     sft = tmp_path / "cook-sft"
     sft.mkdir()
