@@ -1184,9 +1184,11 @@ import dataclasses
 import hashlib
 import importlib
 import inspect
+import itertools
 import json
 import multiprocessing
 import os
+import re
 from pathlib import Path
 
 
@@ -1543,16 +1545,19 @@ def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) 
 
 POOL_MIN_EXAMPLES = 2000  # below this a process pool costs more than it saves
 CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not worth a file
-_POOL_JOB = None  # (tokenizer, fmt, train_on), inherited by forked render workers
+_POOL_JOB = None  # (tokenizer, fmt, train_on, renderer), inherited by forked render workers
 
 
-def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None) -> list:
-    """[(line, Rendered)] for every validated example; a RenderError names the example's line.
+def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None, fast=True) -> list:
+    """[(line, Rendered)] for every validated example, equal to render_example's; a RenderError names the
+    example's line.
 
-    Large sets render in a process pool over every core (forked, so each worker inherits the tokenizer;
-    the per-datum checks run unchanged in the workers). With cache_dir, the result is kept in a file keyed
-    by (examples, tokenizer, format, train_on, rendering code), so a --resume or a real run after a dry run
-    reads it back instead of rendering again."""
+    Chat conversations render through BatchRenderer (the template run once per conversation shape, the
+    tokenizer over the pieces; checked against render_example, see there); fast=False renders each one
+    with render_example. Large sets render in a process pool over every core (forked, so each worker
+    inherits the tokenizer; the per-datum checks run unchanged in the workers). With cache_dir, the
+    result is kept in a file keyed by (examples, tokenizer, format, train_on, rendering code), so a
+    --resume or a real run after a dry run reads it back instead of rendering again."""
     path = None
     if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
         path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
@@ -1560,42 +1565,283 @@ def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=No
         if cached is not None:
             return cached
     workers = workers or os.cpu_count() or 1
-    if workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods():
-        out = _render_in_pool(examples, tokenizer, fmt, train_on, workers)
-    else:
-        out = _render_serial(examples, tokenizer, fmt, train_on)
+    pooled = workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods()
+    # One renderer per call (inherited by forked workers): its caches never carry one call's work into another.
+    renderer = BatchRenderer(tokenizer, fmt) if fast and fmt["kind"] == "chat" else None
+    try:
+        out = (_render_in_pool(examples, tokenizer, fmt, train_on, workers, renderer) if pooled
+               else _unpack(_render_serial(examples, tokenizer, fmt, train_on, renderer)))
+    except _FastPathMismatch:  # the template is not what BatchRenderer assumes: render it the slow, exact way
+        out = (_render_in_pool(examples, tokenizer, fmt, train_on, workers, None) if pooled
+               else _unpack(_render_serial(examples, tokenizer, fmt, train_on, None)))
     if path is not None:
         _write_render_cache(path, out)
     return out
 
 
-def _render_serial(examples, tokenizer, fmt, train_on) -> list:
+def _render_serial(examples, tokenizer, fmt, train_on, renderer=None) -> list:
+    """[(line, tokens, weight runs)]: the compact form the pool and the cache pass around. With a
+    BatchRenderer, through it; else render_example per example."""
+    if renderer is not None:
+        return renderer.render(examples, train_on)
     out = []
     for ex in examples:
         try:
-            out.extend((ex["line"], r) for r in render_example(ex, tokenizer, fmt, train_on))
+            out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in render_example(ex, tokenizer, fmt, train_on))
         except RenderError as e:
             raise RenderError(f"line {ex['line']}: {e}") from None
     return out
 
 
+def _runs(weights) -> list[int]:
+    """Weights (0/1) as run lengths, starting with a run of zeros: [0, 0, 1, 1, 1, 0] -> [2, 3, 1]."""
+    runs = [len(list(group)) for _, group in itertools.groupby(weights)]
+    return [0, *runs] if weights and weights[0] else runs
+
+
+def _weights(runs) -> list[float]:
+    out = []
+    for k, n in enumerate(runs):
+        out += [float(k % 2)] * n
+    return out
+
+
+def _unpack(rows) -> list:
+    return [(line, Rendered(tokens, _weights(runs))) for line, tokens, runs in rows]
+
+
 def _render_chunk(chunk):
-    tokenizer, fmt, train_on = _POOL_JOB
-    return [(line, r.tokens, r.weights) for line, r in _render_serial(chunk, tokenizer, fmt, train_on)]
+    tokenizer, fmt, train_on, renderer = _POOL_JOB
+    return _render_serial(chunk, tokenizer, fmt, train_on, renderer)
 
 
-def _render_in_pool(examples, tokenizer, fmt, train_on, workers) -> list:
+def _render_in_pool(examples, tokenizer, fmt, train_on, workers, renderer=None) -> list:
     global _POOL_JOB
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
     size = min(max(len(examples) // (workers * 8), 200), 5000)
     chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
-    _POOL_JOB = (tokenizer, fmt, train_on)
+    _POOL_JOB = (tokenizer, fmt, train_on, renderer)
     try:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_render_chunk, chunks)
+            # in order, each chunk unpacked here while the workers render the next ones
+            return [row for part in pool.imap(_render_chunk, chunks) for row in _unpack(part)]
     finally:
         _POOL_JOB = None
-    return [(line, Rendered(tokens, weights)) for part in parts for line, tokens, weights in part]
+
+
+class _FastPathMismatch(Exception):
+    """BatchRenderer and render_example disagreed on a conversation: render_all renders again without it."""
+
+
+_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001|\ue002(\\d+)\ue003")  # private-use marks: message k's content / reasoning
+_MESSAGE_KEYS = {"role", "content", "reasoning_content"}
+
+
+class BatchRenderer:
+    """render_example for many chat conversations at once, equal to it token for token.
+
+    Why it is fast: the chat template (Jinja, about 1 ms a call) runs once per conversation *shape* (roles,
+    which messages carry reasoning, the trained turn, thinking on or off) with marker strings in place of
+    the contents; each conversation's text is that skeleton with its contents filled in. The text is cut
+    at the tokenizer's added tokens (<|im_start|>, <think>, ...), which the fast tokenizer matches before
+    anything else, so each piece between them tokenizes on its own exactly as inside the whole text; the
+    pieces of a whole chunk go to the Rust tokenizer in one batch and repeated pieces (system prompts,
+    headers) are tokenized once. The per-datum checks of _render_chat_turn (prompt is a prefix, trailing
+    whitespace after the end-of-turn token untrained, ends on a special token, reasoning kept) run on
+    every datum.
+
+    When it applies: a message's content (and reasoning_content) is "inert": non-empty, no leading or
+    trailing whitespace, no '<' or '>', no added token's text, and the message has no keys beyond role,
+    content and reasoning_content; the example has no tools. Templates branch on content only through
+    such things (Qwen3 looks for '</think>' and '<tool_response>', strips newlines; Llama trims), so an
+    inert content renders as its marker did. Everything else goes through render_example. The assumption
+    is checked, not trusted: the skeleton must come out the same with markers of another length, the
+    first conversations of every shape and every VERIFY_EVERY-th one are also rendered by render_example
+    and compared, and any difference raises _FastPathMismatch (render_all then renders the whole set
+    with render_example)."""
+
+    VERIFY_FIRST = 2  # conversations of each new shape also rendered the slow way
+    VERIFY_EVERY = 64  # and every 64th fast-rendered conversation
+    SEGMENT_CACHE_MAX = 200_000
+
+    def __init__(self, tokenizer, fmt):
+        self.tokenizer, self.fmt = tokenizer, fmt
+        self.special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+        self.odd_added = [c for c in added if "<" not in c and ">" not in c]
+        # Cutting at added tokens is exact when they match plain text (no stripping of neighbours,
+        # no normalisation first); otherwise each whole text is tokenized.
+        plain = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized)
+                    for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
+        self.split_re = (re.compile("(" + "|".join(re.escape(c) for c in sorted(added, key=len, reverse=True)) + ")")
+                         if plain and added and self.backend is not None else None)
+        self.added = added
+        self.skeletons, self.shape_seen = {}, {}
+        self.segments, self.blank = {}, {}
+        self.count = 0
+
+    def render(self, examples, train_on) -> list:
+        """[(line, tokens, weight runs)] of every example, in order."""
+        jobs, texts = [], []
+        for ex in examples:
+            plan = self._plan(ex, train_on)
+            jobs.append((ex, plan))
+            if plan is not None:
+                texts.extend(t for _, prompt, full in plan for t in (prompt, full))
+        ids = self._tokenize(texts)
+        out, k = [], 0
+        for ex, plan in jobs:
+            rendered = None
+            if plan is not None:
+                turns = []
+                for (shape, _), _, _ in plan:
+                    turns.append(self._turn(ex["messages"][len(shape) - 1], ids[k], ids[k + 1]))
+                    k += 2
+                if all(t is not None for t in turns):
+                    rendered = _merge_extensions(turns)
+                    self._verify(ex, train_on, plan, rendered)
+            if rendered is None:  # the slow path, which also words any error
+                try:
+                    rendered = render_example(ex, self.tokenizer, self.fmt, train_on)
+                except RenderError as e:
+                    raise RenderError(f"line {ex['line']}: {e}") from None
+            out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in rendered)
+        return out
+
+    def _inert(self, text):
+        return (isinstance(text, str) and text and text == text.strip() and "<" not in text and ">" not in text
+                and not any(c in text for c in self.odd_added))
+
+    def _plan(self, ex, train_on):
+        """[(shape, prompt text, full text)] per trained turn, or None: render_example renders it."""
+        messages = ex.get("messages")
+        if not messages or ex.get("tools"):
+            return None
+        values, shape = [], []
+        for k, m in enumerate(messages):
+            if not m.keys() <= _MESSAGE_KEYS or not self._inert(m["content"]):
+                return None
+            reasoning = m.get("reasoning_content")
+            if reasoning is not None and not self._inert(reasoning):
+                return None
+            values.append((m["content"], reasoning))
+            shape.append((m["role"], reasoning is not None))
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        plan = []
+        thinking_on = self.fmt["template_kwargs"].get("enable_thinking", False)
+        for i in turns:
+            key = (tuple(shape[: i + 1]), thinking_on or values[i][1] is not None)
+            skeleton = self.skeletons.get(key)
+            if skeleton is None:
+                skeleton = self.skeletons[key] = self._skeleton(key)
+            if skeleton is False:
+                return None
+            plan.append((key, _fill(skeleton[0], values), _fill(skeleton[1], values)))
+        return plan
+
+    def _skeleton(self, key):
+        """(prompt parts, full parts) of a shape, or False when the template cannot be compiled this way."""
+        shape, thinking = key
+
+        def text(offset, n, generation):
+            msgs = []
+            for k, (role, has_reasoning) in enumerate(shape[:n]):
+                m = {"role": role, "content": f"\ue000{k + offset}\ue001"}
+                if has_reasoning:
+                    m["reasoning_content"] = f"\ue002{k + offset}\ue003"
+                msgs.append(m)
+            return _template_text(self.tokenizer, msgs, self.fmt, add_generation_prompt=generation, thinking=thinking)
+
+        try:
+            n = len(shape)
+            parts = [_parts(text(0, n - 1, True), 0), _parts(text(0, n, False), 0)]
+            again = [_parts(text(1000, n - 1, True), 1000), _parts(text(1000, n, False), 1000)]
+        except Exception:  # the slow path renders it and words the error
+            return False
+        return tuple(parts) if parts == again else False
+
+    def _tokenize(self, texts) -> list[list[int]]:
+        if self.split_re is None:
+            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)] if self.backend \
+                else [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        if len(self.segments) > self.SEGMENT_CACHE_MAX:
+            self.segments.clear()
+        if not self.segments:
+            self.segments[""] = []
+            self.segments.update({c: [i] for c, i in self.added.items()})
+        segments = self.segments
+        pieces = [self.split_re.split(t) for t in texts]
+        new = list({p for ps in pieces for p in ps if p not in segments})  # added tokens are always known
+        if new:
+            for p, e in zip(new, self.backend.encode_batch(new, add_special_tokens=False)):
+                segments[p] = e.ids
+        out = []
+        for ps in pieces:
+            ids = []
+            for p in ps:
+                ids += segments[p]
+            out.append(ids)
+        return out
+
+    def _is_blank(self, tok):
+        blank = self.blank.get(tok)
+        if blank is None:
+            blank = self.blank[tok] = not self.tokenizer.decode([tok]).strip()
+        return blank
+
+    def _turn(self, message, prompt, full):
+        """_render_chat_turn's datum and checks from token ids; None when a check fails (the slow path
+        then raises the error with its wording)."""
+        if full[: len(prompt)] != prompt:
+            return None
+        completion = full[len(prompt):]
+        while completion and completion[-1] not in self.special and self._is_blank(completion[-1]):
+            completion.pop()
+        if not completion or completion[-1] not in self.special:
+            return None
+        reasoning = (message.get("reasoning_content") or "").strip()
+        if reasoning and reasoning not in self.tokenizer.decode(completion):
+            return None
+        return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
+
+    def _verify(self, ex, train_on, plan, rendered):
+        self.count += 1
+        seen = self.shape_seen[plan[-1][0]] = self.shape_seen.get(plan[-1][0], 0) + 1
+        if seen <= self.VERIFY_FIRST or self.count % self.VERIFY_EVERY == 0:
+            try:
+                slow = render_example(ex, self.tokenizer, self.fmt, train_on)
+            except RenderError:
+                slow = None
+            if slow != rendered:
+                raise _FastPathMismatch(f"line {ex['line']}")
+
+
+def _template_text(tokenizer, messages, fmt, *, add_generation_prompt, thinking):
+    """The chat template's text for messages, with _apply_template's settings (untokenized)."""
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    kwargs["enable_thinking"] = kwargs["thinking"] = thinking
+    with _frozen_clock(frozen):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **kwargs)
+
+
+def _parts(text, offset):
+    """A rendered skeleton as [literal, (field, k), literal, ...]: field 0 content, 1 reasoning_content."""
+    out, last = [], 0
+    for m in _SENTINEL_RE.finditer(text):
+        out.append(text[last:m.start()])
+        out.append((0, int(m.group(1)) - offset) if m.group(1) else (1, int(m.group(2)) - offset))
+        last = m.end()
+    out.append(text[last:])
+    return out
+
+
+def _fill(parts, values) -> str:
+    return "".join([p if p.__class__ is str else values[p[1]][p[0]] for p in parts])
 
 
 def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
@@ -1607,24 +1853,26 @@ def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
     h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
     with contextlib.suppress(OSError, TypeError):  # the code that renders and masks, as it runs now
         h.update("".join(inspect.getsource(f) for f in (render_example, _render_chat_turn, _apply_template,
-                                                         generation_prompt, _merge_extensions)).encode())
+                                                         generation_prompt, _merge_extensions, BatchRenderer,
+                                                         _template_text, _write_render_cache)).encode())
     return h.hexdigest()[:32]
 
 
 def _read_render_cache(path):
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return _unpack(rows)
+    except (OSError, ValueError, TypeError):
         return None
-    return [(line, Rendered(tokens, weights)) for line, tokens, weights in rows]
 
 
 def _write_render_cache(path, rendered) -> None:
-    """Atomic, and never fatal: a read-only or full disk only costs the next run a render."""
+    """Atomic, and never fatal: a read-only or full disk only costs the next run a render. Rows are
+    [line, tokens, weight runs] (the runs keep a 200k-conversation set at a third of its size)."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([[line, r.tokens, r.weights] for line, r in rendered]), encoding="utf-8")
+        tmp.write_text(json.dumps([[line, r.tokens, _runs(r.weights)] for line, r in rendered]), encoding="utf-8")
         os.replace(tmp, path)
 
 
@@ -2209,7 +2457,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 8cf1164019ff) ====
+# ==== END SHARED CODE (sha256 6440d1c5bd2f) ====
 
 
 if __name__ == "__main__":
