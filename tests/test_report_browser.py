@@ -138,6 +138,14 @@ def test_report_of_a_local_sft_run_renders_in_chromium(local_tinker, tmp_path):
     assert len(evals) >= 3  # before, during (step 2), after
     names = [r["name"] for r in rows(log / "checkpoints.jsonl")]
     assert names == ["000002", "final"] and all(f">{n}</td>" in page for n in names)
+    # cost so far vs the estimate: the logged sum per step, the total with the final eval, the estimate line
+    cost = trace(figs["cost"], "cost so far (usd)")
+    assert cost["x"] == [1, 2, 3, 4] and cost["y"] == [m["cost/cumulative_usd"] for m in metrics]
+    after = rows(log / "eval.jsonl")[-1]
+    assert trace(figs["cost"], "total with the final eval (eval.jsonl)")["y"] == [after["cost/cumulative_usd"]]
+    estimate = json.loads((log / "config.json").read_text())["estimate_usd"]
+    assert [s["y0"] for s in figs["cost"]["layout"]["shapes"]] == [estimate]
+    assert 0 < cost["y"][-1] < after["cost/cumulative_usd"] <= estimate  # samples may stop before --max-tokens
 
 
 RL_RUN = """
@@ -178,6 +186,11 @@ def test_report_of_a_local_rl_run_renders_in_chromium(local_tinker, tmp_path):
     assert trace(figs["reward"], "mean + std")["y"] == [m["reward_mean"] + m["reward_std"] for m in metrics]
     assert trace(figs["tied"], "frac_groups_tied")["y"] == [m["frac_groups_tied"] for m in metrics]
     assert trace(figs["kl"], "kl_sample_train_v1")["y"] == [m["kl_sample_train_v1"] for m in metrics]
+    cost = trace(figs["cost"], "cost so far (usd)")
+    assert cost["x"] == [0, 1, 2] and cost["y"] == [m["cost/cumulative_usd"] for m in metrics]
+    estimate = json.loads((log / "config.json").read_text())["estimate_usd"]
+    assert [s["y0"] for s in figs["cost"]["layout"]["shapes"]] == [estimate]
+    assert 0 < cost["y"][-1] < estimate  # the estimate prices every completion at --max-tokens
     # the rollout browser shows the trace token for token, newest iteration first
     trace_rows = rows(log / "rollouts.jsonl")
     assert len(trace_rows) == 3 * 2 * 4 and result["rows"]["rollouts"] == 24
