@@ -71,6 +71,14 @@ def test_a_turn_that_breaks_the_prefix_is_prefilled_after_the_shared_part():
     assert counted == {"prefill": 4 + 3, "cached_prefill": 2, "sample": 3}
 
 
+def test_a_model_without_a_train_price_gets_no_cost_fields_and_one_message(capsys):
+    meter = tinker_sft.CostMeter("thinkingmachines/Inkling-Small:peft:262144")  # no train price in any source
+    assert meter.row(prefill=100, sample=10) != {}  # sampling is priced
+    assert meter.row(train=1000) == {} and meter.row(train=1000, prefill=5) == {}
+    err = capsys.readouterr().err
+    assert err.count("no cost/step_usd or cost/cumulative_usd in metrics.jsonl: no train price") == 1
+
+
 # ---------------------------------------------------------------- SFT
 
 
