@@ -67,9 +67,6 @@ import random
 import time
 from pathlib import Path
 
-# At most this many sample / compute_logprobs requests in flight: hosted Tinker answers 429 under a
-# burst (issue 21), and the SDK's own retries then back off one request at a time.
-MAX_IN_FLIGHT = 64
 # Settings a --resume must repeat: any other value would make the resumed run a different run.
 RESUME_KEYS = ("model_name", "teacher", "teacher_base", "lora_rank", "learning_rate", "batch_size",
                "group_size", "max_tokens", "temperature", "kl_coef", "seed", "prompts_sha256")
@@ -206,16 +203,14 @@ def main(argv=None):
     config["estimate_usd"] = preflight(args, teacher.base, prompt_lengths, start)  # compared with cost/cumulative_usd
     if resume_row:
         run.rewind("metrics.jsonl", lambda r: r.get("iteration", -1) < start)
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        say(f"resumed from {resume_row['state_path']} at iteration {start}")
     else:
         run.begin(config)
-        tc = service.create_lora_training_client(base_model=args.model_name, rank=args.lora_rank,
-                                                 seed=args.seed).result()
+    tc = training_client(service, resume_row, args.model_name, args.lora_rank, args.seed)
 
     order = BatchOrder(len(student.prompts), args.batch_size,
                        max(len(student.prompts) // args.batch_size, 1), args.seed)
     room = max_tokens_with_room(args.max_tokens, prompt_lengths, context_window)
+    gate = RequestGate(MAX_IN_FLIGHT)  # sample and compute_logprobs requests: bounded, a 429 retried
     cost = CostMeter(args.model_name, run)  # cost/* per row, priced as the estimate; a resume continues the sum
     final = resume_row if resume_row and start >= args.iterations else None
     for it in range(start, args.iterations):
@@ -223,7 +218,7 @@ def main(argv=None):
         sampler = tc.save_weights_and_get_sampling_client().result()
         indices = order(it)
         seeds = [sampling_seed(args.seed, it, slot) for slot in range(len(indices))]
-        sequences = asyncio.run(sample_and_grade(sampler, teacher_client, [student.prompts[i] for i in indices],
+        sequences = asyncio.run(sample_and_grade(gate, sampler, teacher_client, [student.prompts[i] for i in indices],
                                                  seeds, args.group_size, room, args.temperature, student.fmt["stop"]))
         t1 = time.time()
         datums, reverse_kl, stats = [], [], {"teacher": [], "student": []}
@@ -233,21 +228,19 @@ def main(argv=None):
             reverse_kl += kl
             stats["student"] += seq.logprobs
             stats["teacher"] += seq.teacher_logprobs[len(seq.prompt):]
-        fb = tc.forward_backward(datums, loss_fn="importance_sampling")
-        step = tc.optim_step(tinker_adam(args.learning_rate))
-        result = fb.result()
-        step.result()
+        result = train_step(tc, datums, "importance_sampling", None, args.learning_rate)
         t2 = time.time()
         row = {
             "iteration": it, "reverse_kl": mean(reverse_kl),
             "teacher_logprob": mean(stats["teacher"]), "student_logprob": mean(stats["student"]),
             "loss_sum": result.metrics.get("loss:sum"),
-            **sampler_learner_kl(datums, [len(s.prompt) for s in sequences], result.loss_fn_outputs),
+            **kl_metrics(datums, [completion_mask(s) for s in sequences], result.loss_fn_outputs),
             "sequences": len(sequences), "frac_truncated": mean([s.truncated for s in sequences]),
             "tokens_sampled": len(reverse_kl), "tokens_trained": sum(d.model_input.length for d in datums),
             "tokens_teacher": sum(len(s.prompt) + len(s.completion) for s in sequences),
             "kl_coef": args.kl_coef, "learning_rate": args.learning_rate,
             "seconds_sampling_and_teacher": t1 - t0, "seconds_training": t2 - t1,
+            "sample_retries": gate.take_retries(),
             "prompts": indices, "sampling_seeds": seeds,
         }
         cost.add(teacher.base, prefill=row["tokens_teacher"], sample=row["sequences"])  # compute_logprobs: max_tokens=1
@@ -288,8 +281,6 @@ def distill_datum(prompt, completion, sampler_logprobs, teacher_logprobs, kl_coe
     sampler's, and the advantage is -kl_coef * (student - teacher) = kl_coef * (teacher - student);
     every prompt position carries logprob 0 and advantage 0 (nothing to learn about the prompt).
     """
-    import tinker
-
     p, c = len(prompt), len(completion)
     if p < 1 or c < 1:
         raise ValueError(f"a sequence needs a prompt and a completion (got {p} and {c} tokens)")
@@ -300,29 +291,14 @@ def distill_datum(prompt, completion, sampler_logprobs, teacher_logprobs, kl_coe
     if any(t is None for t in teacher):
         raise ValueError("the teacher returned no logprob for a completion token")
     reverse_kl = [float(s) - float(t) for s, t in zip(sampler_logprobs, teacher)]
-    tokens = list(prompt) + list(completion)
-    datum = tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tokens[1:],
-            "logprobs": [0.0] * (p - 1) + [float(s) for s in sampler_logprobs],
-            "advantages": [0.0] * (p - 1) + [-kl_coef * d for d in reverse_kl],
-        },
-    )
+    datum = rl_datum(list(prompt) + list(completion), [0.0] * p + [float(s) for s in sampler_logprobs],
+                     [0.0] * p + [-kl_coef * d for d in reverse_kl])
     return datum, reverse_kl
 
 
-def sampler_learner_kl(datums, prompt_lengths, outputs):
-    """Sampler vs learner on the sampled tokens (the ratio importance_sampling corrects): v1 =
-    mean(lp_sampler - lp_learner), v2 = half the mean square. Stable training keeps them below ~0.01."""
-    diffs = []
-    for datum, p, out in zip(datums, prompt_lengths, outputs):
-        learner = out["logprobs"].tolist()
-        sampler = datum.loss_fn_inputs["logprobs"].tolist()
-        diffs += [q - l for q, l in zip(sampler[p - 1:], learner[p - 1:])]
-    if not diffs:
-        return {}
-    return {"kl_sample_train_v1": mean(diffs), "kl_sample_train_v2": 0.5 * mean([d * d for d in diffs])}
+def completion_mask(seq):
+    """1 on the datum positions that predict a completion token (after the shift by one)."""
+    return [0.0] * (len(seq.prompt) - 1) + [1.0] * len(seq.completion)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,23 +314,20 @@ class Graded:
     truncated: bool
 
 
-async def sample_and_grade(sampler, teacher, prompts, seeds, group_size, max_tokens, temperature, stop):
+async def sample_and_grade(gate, sampler, teacher, prompts, seeds, group_size, max_tokens, temperature, stop):
     """group_size samples of each prompt from the student, each scored by the teacher's compute_logprobs
-    on prompt + completion. Returns Graded sequences in prompt order, samples in the order sampled."""
+    on prompt + completion, every request through `gate` (bounded, retried). Returns Graded sequences in
+    prompt order, samples in the order sampled."""
     import tinker
 
-    gate = asyncio.Semaphore(MAX_IN_FLIGHT)
-
     async def grade(prompt, seq):
-        async with gate:
-            scored = await teacher.compute_logprobs(tinker.ModelInput.from_ints(list(prompt) + list(seq.tokens)))
+        scored = await gate.call(teacher.compute_logprobs, tinker.ModelInput.from_ints(list(prompt) + list(seq.tokens)))
         return Graded(list(prompt), list(seq.tokens), list(seq.logprobs), list(scored), seq.stop_reason == "length")
 
     async def one_prompt(prompt, seed):
         params = tinker.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop, seed=seed)
-        async with gate:
-            response = await sampler.sample(tinker.ModelInput.from_ints(prompt), num_samples=group_size,
-                                            sampling_params=params)
+        response = await gate.call(sampler.sample, tinker.ModelInput.from_ints(prompt), num_samples=group_size,
+                                   sampling_params=params)
         kept = [s for s in response.sequences if s.tokens]  # an empty completion has nothing to grade
         return await asyncio.gather(*(grade(prompt, s) for s in kept))
 
@@ -368,12 +341,6 @@ async def sample_and_grade(sampler, teacher, prompts, seeds, group_size, max_tok
 def sampling_seed(seed, iteration, slot):
     """The sampler seed of one prompt slot: a resumed run samples what an uninterrupted one would."""
     return random.Random(f"{seed}:{iteration}:{slot}").randrange(2 ** 31)
-
-
-def tinker_adam(learning_rate):
-    import tinker
-
-    return tinker.AdamParams(learning_rate=learning_rate, **ADAM)
 
 
 def mean(values):
@@ -616,17 +583,7 @@ def preflight(args, teacher_base, prompt_lengths, start):
     return total
 
 
-def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final):
-    """save_state (and, for the final save, save_weights_for_sampler) submitted together; the row is
-    appended once both paths are known. Periodic saves expire after PERIODIC_TTL_SECONDS."""
-    state = tc.save_state(name, ttl_seconds=None if final else PERIODIC_TTL_SECONDS)
-    sampler = tc.save_weights_for_sampler(name) if final else None
-    return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
-                          state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
-                          fmt=fmt)
-
-
-# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, training, service) ====
+# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, training, service, onpolicy) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source.
 
@@ -2190,7 +2147,126 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 c12db5e20c29) ====
+
+
+# ---- common/onpolicy.py ----
+# Sampling-based training shared by tinker_rl.py and tinker_distill.py: bounded, retried requests, the
+# importance-sampling datum, the sampler/learner KL, the train step, the training client restored or
+# created, and checkpoint saves.
+import asyncio
+import random
+
+
+# 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
+# hosted Tinker answers 429 under load, and the SDK alone allows 1,000 per client (RetryConfig).
+MAX_IN_FLIGHT = 64
+SAMPLE_RETRIES, RETRY_BASE_S, RETRY_MAX_S = 6, 0.5, 30.0
+
+
+def is_transient(e):
+    """Worth retrying the same request: rate limit (429), timeouts (408), conflicts, 5xx, connection loss."""
+    import tinker
+
+    status = getattr(e, "status_code", None)
+    return (status in (408, 409, 429) or (status is not None and status >= 500)
+            or isinstance(e, (tinker.APIConnectionError, asyncio.TimeoutError))
+            or str(getattr(e, "category", "")).lower().endswith("server"))
+
+
+class RequestGate:
+    """At most `limit` requests at once (per event loop; the rest wait), a 429 or transient error
+    retried with jittered exponential back-off; `retries` counts them."""
+
+    def __init__(self, limit):
+        self.limit, self.retries = limit, 0
+        self._loop = self._semaphore = None
+
+    def take_retries(self):
+        count, self.retries = self.retries, 0
+        return count
+
+    async def call(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a semaphore belongs to one event loop
+            self._loop, self._semaphore = loop, asyncio.Semaphore(self.limit)
+        for attempt in range(SAMPLE_RETRIES + 1):
+            async with self._semaphore:
+                try:
+                    return await fn(*args, **kwargs)
+                except Exception as e:
+                    if not is_transient(e) or attempt == SAMPLE_RETRIES:
+                        raise
+                    self.retries += 1
+            await asyncio.sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt) * (0.75 + 0.25 * random.random()))
+
+
+def rl_datum(tokens, logprobs, advs):
+    """The importance-sampling datum of one sequence, shifted by one: position i predicts token i+1.
+    logprobs (the sampler's) and advs are per token of `tokens`, 0 where nothing is learned; no `mask`
+    key: prompt and observation positions are out of the loss because their advantage is 0."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(tokens[1:]), "logprobs": list(logprobs[1:]),
+                        "advantages": list(advs[1:])})
+
+
+def kl_metrics(datums, masks, outputs):
+    """Sampler vs learner on the sampled tokens (mask 1; the ratio importance sampling corrects):
+    v1 = mean(lp_sampler - lp_learner), v2 = half the mean square (stable training keeps these below
+    about 0.01), entropy = -mean(lp_sampler)."""
+    diffs, sampler_lps = [], []
+    for datum, mask, out in zip(datums, masks, outputs):
+        learner = out["logprobs"].tolist() if hasattr(out["logprobs"], "tolist") else list(out["logprobs"])
+        sampler = datum.loss_fn_inputs["logprobs"].tolist()
+        for m, q, p in zip(mask, sampler, learner):
+            if m:
+                diffs.append(q - p)
+                sampler_lps.append(q)
+    if not diffs:
+        return {}
+    n = len(diffs)
+    return {"kl_sample_train_v1": sum(diffs) / n, "kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / n,
+            "entropy": -sum(sampler_lps) / n}
+
+
+def train_step(training_client, datums, loss_fn, config, learning_rate, on_error=None):
+    """forward_backward with the chosen loss and its config, optim_step submitted right behind it;
+    on_error(exception) -> the exception to raise instead."""
+    import tinker
+
+    try:
+        fb = training_client.forward_backward(datums, loss_fn=loss_fn, loss_fn_config=config)
+        step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **ADAM))
+        result = fb.result()
+        step.result()
+    except Exception as e:
+        if on_error is None:
+            raise
+        raise on_error(e) from None
+    return result
+
+
+def training_client(service, resume_row, model_name, lora_rank, seed):
+    """The training client: weights and optimizer state of the checkpoint --resume continues from, or a
+    new LoRA."""
+    if resume_row:
+        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
+        say(f"resumed from {resume_row['state_path']} at iteration {resume_row['next_iteration']}")
+        return tc
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
+
+
+def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
+    """save_state (and, for the final save, save_weights_for_sampler) submitted together; the row is
+    appended once both paths are known. Periodic saves expire after PERIODIC_TTL_SECONDS."""
+    state = tc.save_state(name, ttl_seconds=None if final else PERIODIC_TTL_SECONDS)
+    sampler = tc.save_weights_for_sampler(name) if final else None
+    return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
+                          state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
+                          fmt=fmt)
+# ==== END SHARED CODE (sha256 af904424e7ef) ====
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ Outputs:
     LOG/config.json       every setting (never the API key) and the "format" prompts are rendered with
     LOG/metrics.jsonl     one row per iteration: reward mean/std/min/max, fraction of groups tied,
                           fraction truncated, tokens sampled/trained, loss, sampler/learner KL, seconds,
-                          sampling retries, the tasks and per-group seeds
+                          sampling retries, sampler version and staleness (groups dropped as too stale),
+                          the tasks and per-group seeds
     LOG/checkpoints.jsonl one row per save: name, step, next_iteration, epoch, state_path, sampler_path, format
     LOG/rollouts.jsonl    one row per rollout (every --trace-every iterations): tokens, sampler logprobs,
-                          reward, advantage, trained or not, per-turn observation/action spans
+                          sampler version and staleness, reward, advantage, trained or not, per-turn
+                          observation/action spans
     stdout                one JSON object: status, log_path, iterations, state_path, sampler_path,
                           reward {first, last}, format
 
@@ -51,14 +53,14 @@ completions of every task, at most --max-in-flight requests at once; advantage =
 (Dr. GRPO, no std unless --normalize-std); groups whose rewards all tie carry no signal and are
 skipped; one datum per episode (turns that extend the previous context merge), advantages zero on
 prompt and observation tokens; forward_backward(--loss-fn) and optim_step submitted back to back.
+--max-staleness K >= 1 (async off-policy): the next K iterations sample with the weights they may use
+(at most K steps old, never older than the last save) while this one trains; the loss corrects with the
+sampling logprobs as always. The machinery (rollouts, datums, the schedule) is generated code at the end.
 """
 from __future__ import annotations
 
 import argparse
 import ast
-import asyncio
-import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -84,10 +86,6 @@ DEFAULT_LOSS_CONFIG = {
 # Models whose turns usually start with reasoning (always, or hybrid with thinking on by default, as the price
 # catalogue lists them): their turns need room (4096 tokens unless --max-tokens).
 REASONING_MODELS = ("gpt-oss", "Kimi-K2-Thinking", "GLM-5", "Qwen3.8", "DeepSeek-V4", "Inkling")
-# 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
-# hosted Tinker answers 429 under load, and the SDK alone allows 1,000 per client (RetryConfig).
-MAX_IN_FLIGHT = 64
-SAMPLE_RETRIES, RETRY_BASE_S, RETRY_MAX_S = 6, 0.5, 30.0
 # The local backend's tiny random model learns at a far larger rate than an 8B model and is slow per
 # token: the rehearsal (--rehearse) trains the rehearsal task with these unless a flag says otherwise.
 # Temperature 1.2: at 1.0 about 1 sample in 8 leaves the blank lines, at 1.5 nearly all do (measured).
@@ -127,8 +125,11 @@ def parse_args(argv=None):
     p.add_argument("--context-window", type=int, default=None, help="override the model's (asked from Tinker)")
     p.add_argument("--env-workers", type=int, default=16,
                    help="threads for plain-function reward()/env_step(); 0 calls them on the event loop, one at a time")
-    p.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT,
+    p.add_argument("--max-in-flight", type=int, default=64,
                    help="sampling requests at once, the rest queued (64: the cookbook's eval concurrency)")
+    p.add_argument("--max-staleness", type=int, default=0,
+                   help="0: on-policy; K >= 1: the next K iterations sample with older weights while this one "
+                        "trains (rollouts more than K optim steps old are dropped)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="score EVAL_TASKS every N iterations (greedy reward and pass@k); 0 = never")
     p.add_argument("--eval-samples", type=int, default=4, help="k of pass@k: samples per held-out task")
@@ -214,28 +215,27 @@ def main(argv=None):
     if resume_row:  # rows past the checkpoint will be produced again
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             run.rewind(name, lambda row: row.get("iteration", -1) < start)
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        say(f"resumed from {resume_row['state_path']} at iteration {start}")
     else:
         run.begin(config)
-        tc = service.create_lora_training_client(base_model=args.model_name, rank=args.lora_rank,
-                                                 seed=args.seed).result()
+    tc = training_client(service, resume_row, args.model_name, args.lora_rank, args.seed)
     ro = Rollouts(job, args, context_window)
     cost = CostMeter(args.model_name, run, context=context_window)  # cost/* per row, priced as the estimate
     rewards_seen = [r["reward_mean"] for r in run.rows("metrics.jsonl")]
 
-    with ro.pools():
+    def tasks_and_seeds(it):
+        task_indices = batch_tasks(it, job.n_train, args.batch_size, args.seed)
+        return task_indices, [group_seed(args.seed, it, slot) for slot in range(len(task_indices))]
+
+    with ro.pools(), Sampling(ro, tc, start, args.iterations, tasks_and_seeds, args.max_staleness,
+                              args.save_every) as sampling:
         for it in range(start, args.iterations):
             t0 = time.time()
-            sampler = tc.save_weights_and_get_sampling_client().result()
-            task_indices = batch_tasks(it, job.n_train, args.batch_size, args.seed)
-            seeds = [group_seed(args.seed, it, slot) for slot in range(len(task_indices))]
-            t1 = time.time()
-            groups = asyncio.run(ro.batch(sampler, task_indices, seeds))
-            evaluated = (asyncio.run(ro.evaluate(sampler, args.eval_samples, args.seed))
+            task_indices, seeds = tasks_and_seeds(it)
+            groups = sampling.groups(it)  # with --max-staleness, sampled while earlier iterations trained
+            evaluated = (sampling.run(ro.evaluate(sampling.sampler, args.eval_samples, args.seed, PASS_REWARD))
                          if args.eval_every and it % args.eval_every == 0 else {})
-            t2 = time.time()
-            batch = build_batch(groups, args.normalize_std)
+            t1 = time.time()
+            batch = build_batch(groups, args.normalize_std, it, args.max_staleness)
             if it == 0 and batch.tied == len(groups) and not args.rehearse:  # nothing to learn from, ever
                 raise DataError(tied_message(groups))
             fb_metrics = {}
@@ -244,24 +244,25 @@ def main(argv=None):
                                     on_error=lambda e: training_failure(e, args, run, it, start))
                 fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
                               **kl_metrics(batch.datums, batch.masks, result.loss_fn_outputs)}
-            t3 = time.time()
+            t2 = time.time()
             row = iteration_row(it, groups, batch, args, job, {**fb_metrics, **evaluated}, task_indices, seeds,
-                                seconds={"sampler_weights": t1 - t0, "sampling": t2 - t1, "training": t3 - t2},
-                                retries=ro.take_retries())
+                                seconds={"sampler_weights": sampling.take_snapshot_seconds(), "sampling": t1 - t0,
+                                         "training": t2 - t1}, retries=ro.take_retries())
             row.update(cost.row(train=row["tokens_trained"], **rollout_tokens(groups)))
             run.append("metrics.jsonl", row)
             if args.trace_every and it % args.trace_every == 0:
-                for trace_row in rollout_rows(it, groups, batch, job.tokenizer, job.fmt):
+                for trace_row in rollout_rows(it, groups, batch, job.tokenizer):
                     run.append("rollouts.jsonl", trace_row)
             rewards_seen.append(row["reward_mean"])
             say(progress_line(it, args.iterations, row))
             done = it + 1
             if args.save_every and done % args.save_every == 0 and done < args.iterations:
-                save(tc, run, f"{done:06d}", done, done * args.batch_size // job.n_train, job.fmt)
+                save_checkpoint(tc, run, f"{done:06d}", done, done * args.batch_size // job.n_train, job.fmt)
+            sampling.trained(done)
 
     if start < args.iterations or resume_row.get("name") != "final":
-        final = save(tc, run, "final", args.iterations, args.iterations * args.batch_size // job.n_train,
-                     job.fmt, final=True)
+        final = save_checkpoint(tc, run, "final", args.iterations,
+                                args.iterations * args.batch_size // job.n_train, job.fmt, final=True)
     else:
         final = resume_row
     emit({"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
@@ -272,22 +273,6 @@ def main(argv=None):
           "sampling": {"model_path": final["sampler_path"], "stop": job.fmt["stop"],
                        "hint": f"python tinker_infer.py --run {run.path}"}})
     return 0
-
-
-def train_step(training_client, datums, loss_fn, config, learning_rate, on_error=None):
-    """forward_backward with the chosen loss and its config, optim_step submitted right behind it."""
-    import tinker
-
-    try:
-        fb = training_client.forward_backward(datums, loss_fn=loss_fn, loss_fn_config=config)
-        step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **ADAM))
-        result = fb.result()
-        step.result()
-    except Exception as e:
-        if on_error is None:
-            raise
-        raise on_error(e) from None
-    return result
 
 
 def dry_run(args, job):
@@ -319,7 +304,8 @@ def check_settings(args):
         "temperature": dict(low=0, low_open=True), "max_turns": dict(low=1), "save_every": dict(low=0),
         "context_window": dict(low=1), "clip_low_threshold": dict(low=0), "clip_high_threshold": dict(low=0),
         "dro_beta": dict(low=0, low_open=True), "env_workers": dict(low=0), "max_in_flight": dict(low=1),
-        "trace_every": dict(low=0), "eval_every": dict(low=0), "eval_samples": dict(low=1)})
+        "trace_every": dict(low=0), "eval_every": dict(low=0), "eval_samples": dict(low=1),
+        "max_staleness": dict(low=0)})
     if args.group_size < 2:
         raise DataError(f"--group-size {args.group_size}: the advantage compares samples of one task, "
                         "so at least 2 are needed (4 is a good start)")
@@ -435,11 +421,6 @@ def estimate_cost(args, job, context_window, start=0):
     return estimate(args.model_name, tokens, args.max_usd, label=label, context=context_window)
 
 
-def task_label(tasks, index):
-    text = json.dumps(tasks[index], default=str)
-    return f"task {index} ({text[:60]}{'...' if len(text) > 60 else ''})"
-
-
 def tied_message(groups):
     rewards = sorted({e.reward for g in groups for e in g.episodes})
     return (f"the base policy ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
@@ -472,344 +453,6 @@ def is_rejection(e):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tasks per iteration, advantages, datums
-
-
-def batch_tasks(iteration, n_tasks, batch_size, seed):
-    """Task indices of one iteration: epochs of seeded shuffles, so --resume picks the same tasks."""
-    out = []
-    for k in range(iteration * batch_size, (iteration + 1) * batch_size):
-        epoch, pos = divmod(k, n_tasks)
-        order = list(range(n_tasks))
-        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
-        out.append(order[pos])
-    return out
-
-
-def group_seed(seed, iteration, slot):
-    """The seed of one group: its sampler calls and its environment rng (the same for every sample)."""
-    return random.Random(f"{seed}-{iteration}-{slot}").randrange(2**31)
-
-
-def advantages(rewards, normalize_std=False):
-    mean = sum(rewards) / len(rewards)
-    centred = [r - mean for r in rewards]
-    if not normalize_std:
-        return centred
-    std = math.sqrt(sum(c * c for c in centred) / len(centred))
-    return [c / (std + 1e-6) for c in centred]
-
-
-@dataclasses.dataclass
-class Turn:
-    observation: list[int]  # everything the sampler was given for this turn
-    action: list[int]  # the sampled tokens
-    logprobs: list[float]  # the sampler's logprob of each sampled token
-    stop_reason: str
-
-
-@dataclasses.dataclass
-class Episode:
-    turns: list[Turn]
-    reward: float
-    truncated: bool = False
-    info: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class Group:
-    task_index: int
-    seed: int
-    episodes: list[Episode]
-
-
-@dataclasses.dataclass
-class Batch:
-    datums: list  # what forward_backward receives
-    masks: list  # per datum, 1 on sampled (trained) target positions: for the KL metrics
-    tied: int  # groups skipped because every reward was the same
-    advantages: dict  # (group index, sample index) -> advantage, for every episode of an untied group
-
-
-def episode_sequences(turns, advantage):
-    """Unshifted (tokens, sampler logprobs, advantages, mask) per datum of one episode.
-
-    A turn whose observation starts with everything so far extends it: only the new observation
-    tokens are appended (logprob, advantage and mask 0), then the action (sampler logprobs, the
-    episode's advantage, mask 1). A turn that does not extend starts a new datum."""
-    sequences, seq = [], None
-    for turn in turns:
-        if seq is not None and turn.observation[: len(seq[0])] == seq[0]:
-            new = turn.observation[len(seq[0]):]
-        else:
-            if seq is not None:
-                sequences.append(seq)
-            seq, new = ([], [], [], []), turn.observation
-        if len(turn.logprobs) != len(turn.action):
-            raise ScriptError(f"sampler returned {len(turn.logprobs)} logprobs for {len(turn.action)} tokens")
-        tokens, lps, advs, mask = seq
-        tokens += new + turn.action
-        lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
-        advs += [0.0] * len(new) + [float(advantage)] * len(turn.action)
-        mask += [0.0] * len(new) + [1.0] * len(turn.action)
-    if seq is not None:
-        sequences.append(seq)
-    return sequences
-
-
-def rl_datum(tokens, logprobs, advs):
-    """Shift by one: position i predicts token i+1. No `mask` key: prompt and observation positions
-    are out of the loss because their advantage is 0."""
-    import tinker
-
-    return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": list(tokens[1:]), "logprobs": list(logprobs[1:]),
-                        "advantages": list(advs[1:])})
-
-
-def build_batch(groups, normalize_std=False) -> Batch:
-    """Datums of every group whose rewards do not all tie (tied groups carry no signal)."""
-    batch = Batch([], [], 0, {})
-    for g, group in enumerate(groups):
-        rewards = [e.reward for e in group.episodes]
-        if max(rewards) - min(rewards) < 1e-9:
-            batch.tied += 1
-            continue
-        for s, (episode, adv) in enumerate(zip(group.episodes, advantages(rewards, normalize_std))):
-            batch.advantages[(g, s)] = adv
-            for tokens, lps, advs, mask in episode_sequences(episode.turns, adv):
-                if len(tokens) < 2 or not any(mask):
-                    continue
-                batch.datums.append(rl_datum(tokens, lps, advs))
-                batch.masks.append(mask[1:])
-    return batch
-
-
-def kl_metrics(datums, masks, outputs):
-    """Sampler vs learner on the sampled tokens: v1 = mean(lp_sampler - lp_learner), v2 = half the mean
-    square (stable training keeps these below about 0.01), entropy = -mean(lp_sampler)."""
-    diffs, sampler_lps = [], []
-    for datum, mask, out in zip(datums, masks, outputs):
-        learner = out["logprobs"].tolist() if hasattr(out["logprobs"], "tolist") else list(out["logprobs"])
-        sampler = datum.loss_fn_inputs["logprobs"].tolist()
-        for m, q, p in zip(mask, sampler, learner):
-            if m:
-                diffs.append(q - p)
-                sampler_lps.append(q)
-    if not diffs:
-        return {}
-    n = len(diffs)
-    return {"kl_sample_train_v1": sum(diffs) / n, "kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / n,
-            "entropy": -sum(sampler_lps) / n}
-
-
-# ---------------------------------------------------------------------------------------------
-# Rollouts: bounded sampling concurrency, environment calls that overlap
-
-
-class Rollouts:
-    """Runs the groups of one iteration: at most --max-in-flight sampling requests at once (the rest
-    wait), a 429 or transient error retried with back-off, plain-function environment code in a thread
-    pool and tokenizer work in its own thread, so the event loop only schedules."""
-
-    def __init__(self, job, args, context_window):
-        self.job, self.args, self.context_window = job, args, context_window
-        self.env_pool = self.token_pool = None
-        self.retries = 0
-
-    @contextlib.contextmanager
-    def pools(self):
-        workers = self.args.env_workers
-        with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="env") as env_pool, \
-                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as token_pool:
-            self.env_pool = env_pool if workers else None
-            self.token_pool = token_pool if workers else None
-            try:
-                yield self
-            finally:
-                self.env_pool = self.token_pool = None
-
-    def take_retries(self):
-        count, self.retries = self.retries, 0
-        return count
-
-    async def batch(self, sampler, task_indices, seeds):
-        """All groups of one iteration (every group started at once; the semaphore bounds requests)."""
-        self.in_flight = asyncio.Semaphore(self.args.max_in_flight)
-        return list(await asyncio.gather(*(self.group(sampler, t, s) for t, s in zip(task_indices, seeds))))
-
-    async def group(self, sampler, task_index, seed, n=None, temperature=None):
-        """One group: the first turn of all its samples in one call, then each episode on its own."""
-        prompt = self.job.prompts[task_index]
-        params = self.params(len(prompt), seed, temperature)
-        response = await self.sample(sampler, prompt, n or self.args.group_size, params)
-        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature)
-                                          for i, seq in enumerate(response.sequences)))
-        return Group(task_index, seed, list(episodes))
-
-    async def evaluate(self, sampler, k, seed):
-        """Held-out tasks: the mean reward of one greedy episode each, and pass@k (the share of tasks where
-        one of k samples scores PASS_REWARD or more)."""
-        held_out = range(self.job.n_train, len(self.job.tasks))
-        greedy, sampled = await asyncio.gather(
-            asyncio.gather(*(self.group(sampler, t, seed, 1, 0.0) for t in held_out)),
-            asyncio.gather(*(self.group(sampler, t, seed, k) for t in held_out)))
-        passed = [max(e.reward for e in g.episodes) >= PASS_REWARD for g in sampled]
-        return {"eval/greedy_reward": sum(g.episodes[0].reward for g in greedy) / len(greedy),
-                f"eval/pass@{k}": sum(passed) / len(passed), "eval/tasks": len(passed)}
-
-    async def sample(self, sampler, prompt, n, params):
-        import tinker
-
-        for attempt in range(SAMPLE_RETRIES + 1):
-            async with self.in_flight:
-                try:
-                    return await sampler.sample(prompt=tinker.ModelInput.from_ints(prompt), num_samples=n,
-                                                sampling_params=params)
-                except Exception as e:
-                    if not is_transient(e) or attempt == SAMPLE_RETRIES:
-                        raise
-                    self.retries += 1
-            await asyncio.sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt) * (0.75 + 0.25 * random.random()))
-
-    def params(self, prompt_len, seed, temperature=None):
-        import tinker
-
-        cap = self.args.max_tokens
-        if self.context_window is not None:
-            cap = min(cap, self.context_window - prompt_len)
-        temperature = self.args.temperature if temperature is None else temperature
-        return None if cap <= 0 else tinker.SamplingParams(
-            max_tokens=cap, temperature=temperature, stop=list(self.job.fmt["stop"]), seed=seed)
-
-    async def off_loop(self, pool, fn, *args):
-        """fn(*args) awaited: a coroutine function directly, a plain one in `pool` (inline without one)."""
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
-        if pool is None:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
-
-    async def user_code(self, fn, label, *args):
-        """reward() / env_step(): an exception there is bad input, named by task."""
-        try:
-            return await self.off_loop(self.env_pool, fn, *args)
-        except ScriptError:
-            raise
-        except Exception as e:
-            name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__
-            raise DataError(f"{name}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
-
-    async def episode(self, sampler, task_index, seed, index, first, temperature=None):
-        """Continue one episode from its first sampled turn until the environment says done."""
-        job, args = self.job, self.args
-        task, env = job.tasks[task_index], job.env
-        label = task_label(job.tasks, task_index)
-        rng = random.Random(seed)  # the same environment randomness for every sample of the group
-        conversation = list(env["render_prompt"](task)) if env["env_step"] else None
-        observation, sequence = job.prompts[task_index], first
-        turns, total, truncated, info = [], 0.0, False, {}
-        for turn_index in range(args.max_turns):
-            if turn_index > 0:
-                params = self.params(len(observation), seed + 7919 * index + turn_index, temperature)
-                if params is None:  # no room left in the context window
-                    truncated = True
-                    break
-                sequence = (await self.sample(sampler, observation, 1, params)).sequences[0]
-            action = list(sequence.tokens)
-            turns.append(Turn(observation, action, list(sequence.logprobs or []), sequence.stop_reason))
-            text = await self.off_loop(self.token_pool, completion_text, job.tokenizer, job.fmt, action)
-            cut = sequence.stop_reason == "length"
-            truncated = truncated or cut
-            if env["env_step"] is None:
-                total += checked_reward(await self.user_code(env["reward"], label, task, text), label)
-                break
-            result = await self.user_code(env["env_step"], label, task, list(conversation), text, rng)
-            if not isinstance(result, tuple) or len(result) not in (3, 4):
-                raise DataError(f"env_step() returned {type(result).__name__} for {label}; expected "
-                                "(observation, reward, done) or (observation, reward, done, info)")
-            message, step_reward, done = result[:3]
-            for key, value in (result[3] if len(result) == 4 and result[3] else {}).items():
-                info[key] = info.get(key, 0) + value
-            total += checked_reward(step_reward, label, "env_step()")
-            if done or message is None or (cut and args.on_truncation == "end"):
-                break
-            message = message if isinstance(message, dict) else {"role": "user", "content": str(message)}
-            conversation += [{"role": "assistant", "content": text}, message]
-            closed = action if action and action[-1] in job.fmt["stop"] else action + job.fmt["stop"][:1]
-            new = await self.off_loop(self.token_pool, observation_tokens, job.tokenizer, job.fmt, message)
-            observation = observation + closed + new
-        return Episode(turns, total, truncated, info)
-
-
-def is_transient(e):
-    """Worth retrying the same request: rate limit (429), timeouts (408), conflicts, 5xx, connection loss."""
-    import tinker
-
-    status = getattr(e, "status_code", None)
-    return (status in (408, 409, 429) or (status is not None and status >= 500)
-            or isinstance(e, (tinker.APIConnectionError, asyncio.TimeoutError))
-            or str(getattr(e, "category", "")).lower().endswith("server"))
-
-
-def checked_reward(value, label, where="reward()"):
-    if isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DataError(f"{where} returned {value!r} for {label}; expected a finite float. Fix it in the "
-                        "EDIT ME block and check with --dry-run")
-    return float(value)
-
-
-def call_user_code(fn, label, *args):
-    """render_prompt() / reward() called outside a rollout; an exception there is bad input."""
-    try:
-        return fn(*args)
-    except ScriptError:
-        raise
-    except Exception as e:
-        raise DataError(f"{fn.__name__}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Multi-turn rendering (RL only): the observation appended after a sampled turn
-
-
-_PROBE = "Zq7PROBEqZ"
-
-
-def render_text(tokenizer, fmt, messages, tools=None, add_generation_prompt=True):
-    kwargs = dict(fmt["template_kwargs"])
-    frozen = kwargs.pop("strftime_now", None)
-    with _frozen_clock(frozen):
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, **kwargs)
-
-
-def observation_tokens(tokenizer, fmt, message):
-    """Tokens that follow a closed model turn: the observation message and the next generation prompt.
-
-    Rendered after a probe assistant turn and cut after its end-of-turn token, so the result appends
-    to the tokens actually sampled (the extension property holds by construction and the episode
-    stays one datum, whatever the template does to earlier turns)."""
-    if isinstance(message, str):
-        message = {"role": "user", "content": message}
-    text = render_text(tokenizer, fmt, [{"role": "user", "content": "Hi"},
-                                        {"role": "assistant", "content": _PROBE}, message])
-    eot = tokenizer.decode([fmt["stop"][0]])
-    start = text.index(_PROBE) + len(_PROBE)
-    cut = text.index(eot, start) + len(eot)
-    return tokenizer.encode(text[cut:], add_special_tokens=False)
-
-
-def completion_text(tokenizer, fmt, tokens):
-    if tokens and tokens[-1] in fmt["stop"]:
-        tokens = tokens[:-1]
-    return tokenizer.decode(tokens)
-
-
-# ---------------------------------------------------------------------------------------------
 # Run record rows: metrics, the rollout trace, checkpoints
 
 
@@ -817,6 +460,7 @@ def iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds,
     episodes = [e for g in groups for e in g.episodes]
     rewards = [e.reward for e in episodes]
     mean = sum(rewards) / len(rewards)
+    versions = [it if g.version is None else g.version for g in groups]
     row = {
         "iteration": it, "step": it, "reward_mean": mean,
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
@@ -828,6 +472,7 @@ def iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds,
         "tokens_trained": sum(d.model_input.length for d in batch.datums), "datums": len(batch.datums),
         "loss_fn": args.loss_fn, "loss_fn_config": job.loss_config, "learning_rate": args.learning_rate,
         **fb_metrics, **{f"seconds_{k}": v for k, v in seconds.items()}, "sample_retries": retries,
+        "sampler_version": min(versions), "staleness_max": it - min(versions), "groups_stale_dropped": batch.stale,
         "tasks": task_indices, "group_seeds": seeds,
     }
     for key in sorted({k for e in episodes for k in e.info}):
@@ -849,42 +494,6 @@ def progress_line(it, total, row):
             f"loss {row.get('loss_sum') if row.get('loss_sum') is not None else float('nan'):.4g} | "
             f"kl {kl if kl is not None else float('nan'):.2e} | sample {row['seconds_sampling']:.1f}s | "
             f"train {row['seconds_training']:.1f}s")
-
-
-def rollout_rows(it, groups, batch, tokenizer, fmt, sampler_version=None):
-    """One rollouts.jsonl row per episode: exactly the tokens and numbers the update used.
-    prompt_tokens + completion_tokens is the episode's sequence (observations included, sampler logprob
-    0 there); each turn's observation_tokens are the tokens added before its action (the whole context
-    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained."""
-    rows = []
-    for g, group in enumerate(groups):
-        for s, episode in enumerate(group.episodes):
-            trained = (g, s) in batch.advantages
-            prompt = episode.turns[0].observation
-            completion, lps, turns, context = [], [], [], list(prompt)
-            for k, turn in enumerate(episode.turns):
-                extends = k > 0 and turn.observation[: len(context)] == context
-                new = turn.observation[len(context):] if extends else ([] if k == 0 else list(turn.observation))
-                turns.append({"observation_tokens": new, "action_tokens": turn.action, "masked": not trained,
-                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason})
-                completion += new + turn.action
-                lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
-                context = (context if extends or k == 0 else []) + new + turn.action
-            rows.append({"iteration": it, "task": group.task_index, "group": g, "sample": s,
-                         "sampler_version": it if sampler_version is None else sampler_version,
-                         "prompt_tokens": prompt, "completion_tokens": completion, "sampler_logprobs": lps,
-                         "reward": episode.reward, "advantage": batch.advantages.get((g, s), 0.0),
-                         "trained": trained, "turns": turns, "prompt_text": tokenizer.decode(prompt),
-                         "completion_text": tokenizer.decode(completion)})
-    return rows
-
-
-def save(tc, run, name, next_iteration, epoch, fmt, final=False):
-    state = tc.save_state(name, ttl_seconds=None if final else PERIODIC_TTL_SECONDS)
-    sampler = tc.save_weights_for_sampler(name) if final else None
-    return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
-                          state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
-                          fmt=fmt, batch=next_iteration, **({"final": True} if final else {}))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1025,7 +634,7 @@ def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
     return (observation, step_reward, done, *info)
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, render, run_record, training, service) ====
+# ==== SHARED CODE (generated from common/: errors, flags, render, run_record, training, service, onpolicy, rollouts) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source.
 
@@ -2457,7 +2066,541 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 6440d1c5bd2f) ====
+
+
+# ---- common/onpolicy.py ----
+# Sampling-based training shared by tinker_rl.py and tinker_distill.py: bounded, retried requests, the
+# importance-sampling datum, the sampler/learner KL, the train step, the training client restored or
+# created, and checkpoint saves.
+import asyncio
+import random
+
+
+# 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
+# hosted Tinker answers 429 under load, and the SDK alone allows 1,000 per client (RetryConfig).
+MAX_IN_FLIGHT = 64
+SAMPLE_RETRIES, RETRY_BASE_S, RETRY_MAX_S = 6, 0.5, 30.0
+
+
+def is_transient(e):
+    """Worth retrying the same request: rate limit (429), timeouts (408), conflicts, 5xx, connection loss."""
+    import tinker
+
+    status = getattr(e, "status_code", None)
+    return (status in (408, 409, 429) or (status is not None and status >= 500)
+            or isinstance(e, (tinker.APIConnectionError, asyncio.TimeoutError))
+            or str(getattr(e, "category", "")).lower().endswith("server"))
+
+
+class RequestGate:
+    """At most `limit` requests at once (per event loop; the rest wait), a 429 or transient error
+    retried with jittered exponential back-off; `retries` counts them."""
+
+    def __init__(self, limit):
+        self.limit, self.retries = limit, 0
+        self._loop = self._semaphore = None
+
+    def take_retries(self):
+        count, self.retries = self.retries, 0
+        return count
+
+    async def call(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a semaphore belongs to one event loop
+            self._loop, self._semaphore = loop, asyncio.Semaphore(self.limit)
+        for attempt in range(SAMPLE_RETRIES + 1):
+            async with self._semaphore:
+                try:
+                    return await fn(*args, **kwargs)
+                except Exception as e:
+                    if not is_transient(e) or attempt == SAMPLE_RETRIES:
+                        raise
+                    self.retries += 1
+            await asyncio.sleep(min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt) * (0.75 + 0.25 * random.random()))
+
+
+def rl_datum(tokens, logprobs, advs):
+    """The importance-sampling datum of one sequence, shifted by one: position i predicts token i+1.
+    logprobs (the sampler's) and advs are per token of `tokens`, 0 where nothing is learned; no `mask`
+    key: prompt and observation positions are out of the loss because their advantage is 0."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(tokens[1:]), "logprobs": list(logprobs[1:]),
+                        "advantages": list(advs[1:])})
+
+
+def kl_metrics(datums, masks, outputs):
+    """Sampler vs learner on the sampled tokens (mask 1; the ratio importance sampling corrects):
+    v1 = mean(lp_sampler - lp_learner), v2 = half the mean square (stable training keeps these below
+    about 0.01), entropy = -mean(lp_sampler)."""
+    diffs, sampler_lps = [], []
+    for datum, mask, out in zip(datums, masks, outputs):
+        learner = out["logprobs"].tolist() if hasattr(out["logprobs"], "tolist") else list(out["logprobs"])
+        sampler = datum.loss_fn_inputs["logprobs"].tolist()
+        for m, q, p in zip(mask, sampler, learner):
+            if m:
+                diffs.append(q - p)
+                sampler_lps.append(q)
+    if not diffs:
+        return {}
+    n = len(diffs)
+    return {"kl_sample_train_v1": sum(diffs) / n, "kl_sample_train_v2": 0.5 * sum(d * d for d in diffs) / n,
+            "entropy": -sum(sampler_lps) / n}
+
+
+def train_step(training_client, datums, loss_fn, config, learning_rate, on_error=None):
+    """forward_backward with the chosen loss and its config, optim_step submitted right behind it;
+    on_error(exception) -> the exception to raise instead."""
+    import tinker
+
+    try:
+        fb = training_client.forward_backward(datums, loss_fn=loss_fn, loss_fn_config=config)
+        step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **ADAM))
+        result = fb.result()
+        step.result()
+    except Exception as e:
+        if on_error is None:
+            raise
+        raise on_error(e) from None
+    return result
+
+
+def training_client(service, resume_row, model_name, lora_rank, seed):
+    """The training client: weights and optimizer state of the checkpoint --resume continues from, or a
+    new LoRA."""
+    if resume_row:
+        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
+        say(f"resumed from {resume_row['state_path']} at iteration {resume_row['next_iteration']}")
+        return tc
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
+
+
+def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
+    """save_state (and, for the final save, save_weights_for_sampler) submitted together; the row is
+    appended once both paths are known. Periodic saves expire after PERIODIC_TTL_SECONDS."""
+    state = tc.save_state(name, ttl_seconds=None if final else PERIODIC_TTL_SECONDS)
+    sampler = tc.save_weights_for_sampler(name) if final else None
+    return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
+                          state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
+                          fmt=fmt)
+
+
+# ---- common/rollouts.py ----
+# RL rollouts for tinker_rl.py: tasks and seeds per iteration, episodes sampled with bounded concurrency
+# and environment calls that overlap, group-relative advantages, datums, the rollout trace, and the
+# schedule of sampler versions (on-policy, or up to --max-staleness steps behind while training runs).
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import random
+import threading
+import time
+
+
+def task_label(tasks, index):
+    text = json.dumps(tasks[index], default=str)
+    return f"task {index} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def batch_tasks(iteration, n_tasks, batch_size, seed):
+    """Task indices of one iteration: epochs of seeded shuffles, so --resume picks the same tasks."""
+    out = []
+    for k in range(iteration * batch_size, (iteration + 1) * batch_size):
+        epoch, pos = divmod(k, n_tasks)
+        order = list(range(n_tasks))
+        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+        out.append(order[pos])
+    return out
+
+
+def group_seed(seed, iteration, slot):
+    """The seed of one group: its sampler calls and its environment rng (the same for every sample)."""
+    return random.Random(f"{seed}-{iteration}-{slot}").randrange(2**31)
+
+
+def advantages(rewards, normalize_std=False):
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if not normalize_std:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(centred))
+    return [c / (std + 1e-6) for c in centred]
+
+
+@dataclasses.dataclass
+class Turn:
+    observation: list[int]  # everything the sampler was given for this turn
+    action: list[int]  # the sampled tokens
+    logprobs: list[float]  # the sampler's logprob of each sampled token
+    stop_reason: str
+
+
+@dataclasses.dataclass
+class Episode:
+    turns: list[Turn]
+    reward: float
+    truncated: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Group:
+    task_index: int
+    seed: int
+    episodes: list[Episode]
+    version: int | None = None  # optim steps in the weights it was sampled with (None: the iteration's own)
+
+
+@dataclasses.dataclass
+class Batch:
+    datums: list  # what forward_backward receives
+    masks: list  # per datum, 1 on sampled (trained) target positions: for the KL metrics
+    tied: int  # groups skipped because every reward was the same
+    advantages: dict  # (group index, sample index) -> advantage, for every episode of an untied group
+    stale: int = 0  # groups dropped because their sampler was more than --max-staleness steps behind
+
+
+def episode_sequences(turns, advantage):
+    """Unshifted (tokens, sampler logprobs, advantages, mask) per datum of one episode.
+
+    A turn whose observation starts with everything so far extends it: only the new observation
+    tokens are appended (logprob, advantage and mask 0), then the action (sampler logprobs, the
+    episode's advantage, mask 1). A turn that does not extend starts a new datum."""
+    sequences, seq = [], None
+    for turn in turns:
+        if seq is not None and turn.observation[: len(seq[0])] == seq[0]:
+            new = turn.observation[len(seq[0]):]
+        else:
+            if seq is not None:
+                sequences.append(seq)
+            seq, new = ([], [], [], []), turn.observation
+        if len(turn.logprobs) != len(turn.action):
+            raise ScriptError(f"sampler returned {len(turn.logprobs)} logprobs for {len(turn.action)} tokens")
+        tokens, lps, advs, mask = seq
+        tokens += new + turn.action
+        lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
+        advs += [0.0] * len(new) + [float(advantage)] * len(turn.action)
+        mask += [0.0] * len(new) + [1.0] * len(turn.action)
+    if seq is not None:
+        sequences.append(seq)
+    return sequences
+
+
+def build_batch(groups, normalize_std=False, iteration=None, max_staleness=0) -> Batch:
+    """Datums of every group whose rewards do not all tie (tied groups carry no signal) and that was
+    sampled at most max_staleness optim steps before `iteration` (staler groups are dropped, counted)."""
+    batch = Batch([], [], 0, {})
+    for g, group in enumerate(groups):
+        if group.version is not None and iteration is not None and iteration - group.version > max_staleness:
+            batch.stale += 1
+            continue
+        rewards = [e.reward for e in group.episodes]
+        if max(rewards) - min(rewards) < 1e-9:
+            batch.tied += 1
+            continue
+        for s, (episode, adv) in enumerate(zip(group.episodes, advantages(rewards, normalize_std))):
+            batch.advantages[(g, s)] = adv
+            for tokens, lps, advs, mask in episode_sequences(episode.turns, adv):
+                if len(tokens) < 2 or not any(mask):
+                    continue
+                batch.datums.append(rl_datum(tokens, lps, advs))
+                batch.masks.append(mask[1:])
+    return batch
+
+
+class Rollouts:
+    """Runs the groups of one iteration: at most --max-in-flight sampling requests at once (the rest
+    wait), a 429 or transient error retried with back-off, plain-function environment code in a thread
+    pool and tokenizer work in its own thread, so the event loop only schedules."""
+
+    def __init__(self, job, args, context_window):
+        self.job, self.args, self.context_window = job, args, context_window
+        self.env_pool = self.token_pool = None
+        self.gate = RequestGate(args.max_in_flight)
+
+    @contextlib.contextmanager
+    def pools(self):
+        workers = self.args.env_workers
+        with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="env") as env_pool, \
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as token_pool:
+            self.env_pool = env_pool if workers else None
+            self.token_pool = token_pool if workers else None
+            try:
+                yield self
+            finally:
+                self.env_pool = self.token_pool = None
+
+    def take_retries(self):
+        return self.gate.take_retries()
+
+    async def batch(self, sampler, task_indices, seeds, version=None):
+        """All groups of one iteration (every group started at once; the gate bounds requests), each
+        marked with the version of the weights `sampler` holds."""
+        groups = await asyncio.gather(*(self.group(sampler, t, s) for t, s in zip(task_indices, seeds)))
+        for group in groups:
+            group.version = version
+        return list(groups)
+
+    async def group(self, sampler, task_index, seed, n=None, temperature=None):
+        """One group: the first turn of all its samples in one call, then each episode on its own."""
+        prompt = self.job.prompts[task_index]
+        params = self.params(len(prompt), seed, temperature)
+        response = await self.sample(sampler, prompt, n or self.args.group_size, params)
+        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature)
+                                          for i, seq in enumerate(response.sequences)))
+        return Group(task_index, seed, list(episodes))
+
+    async def evaluate(self, sampler, k, seed, pass_reward):
+        """Held-out tasks: the mean reward of one greedy episode each, and pass@k (the share of tasks where
+        one of k samples scores pass_reward or more)."""
+        held_out = range(self.job.n_train, len(self.job.tasks))
+        greedy, sampled = await asyncio.gather(
+            asyncio.gather(*(self.group(sampler, t, seed, 1, 0.0) for t in held_out)),
+            asyncio.gather(*(self.group(sampler, t, seed, k) for t in held_out)))
+        passed = [max(e.reward for e in g.episodes) >= pass_reward for g in sampled]
+        return {"eval/greedy_reward": sum(g.episodes[0].reward for g in greedy) / len(greedy),
+                f"eval/pass@{k}": sum(passed) / len(passed), "eval/tasks": len(passed)}
+
+    async def sample(self, sampler, prompt, n, params):
+        import tinker
+
+        return await self.gate.call(sampler.sample, prompt=tinker.ModelInput.from_ints(prompt), num_samples=n,
+                                    sampling_params=params)
+
+    def params(self, prompt_len, seed, temperature=None):
+        import tinker
+
+        cap = self.args.max_tokens
+        if self.context_window is not None:
+            cap = min(cap, self.context_window - prompt_len)
+        temperature = self.args.temperature if temperature is None else temperature
+        return None if cap <= 0 else tinker.SamplingParams(
+            max_tokens=cap, temperature=temperature, stop=list(self.job.fmt["stop"]), seed=seed)
+
+    async def off_loop(self, pool, fn, *args):
+        """fn(*args) awaited: a coroutine function directly, a plain one in `pool` (inline without one)."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        if pool is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    async def user_code(self, fn, label, *args):
+        """reward() / env_step(): an exception there is bad input, named by task."""
+        try:
+            return await self.off_loop(self.env_pool, fn, *args)
+        except ScriptError:
+            raise
+        except Exception as e:
+            name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__
+            raise DataError(f"{name}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
+
+    async def episode(self, sampler, task_index, seed, index, first, temperature=None):
+        """Continue one episode from its first sampled turn until the environment says done."""
+        job, args = self.job, self.args
+        task, env = job.tasks[task_index], job.env
+        label = task_label(job.tasks, task_index)
+        rng = random.Random(seed)  # the same environment randomness for every sample of the group
+        conversation = list(env["render_prompt"](task)) if env["env_step"] else None
+        observation, sequence = job.prompts[task_index], first
+        turns, total, truncated, info = [], 0.0, False, {}
+        for turn_index in range(args.max_turns):
+            if turn_index > 0:
+                params = self.params(len(observation), seed + 7919 * index + turn_index, temperature)
+                if params is None:  # no room left in the context window
+                    truncated = True
+                    break
+                sequence = (await self.sample(sampler, observation, 1, params)).sequences[0]
+            action = list(sequence.tokens)
+            turns.append(Turn(observation, action, list(sequence.logprobs or []), sequence.stop_reason))
+            text = await self.off_loop(self.token_pool, completion_text, job.tokenizer, job.fmt, action)
+            cut = sequence.stop_reason == "length"
+            truncated = truncated or cut
+            if env["env_step"] is None:
+                total += checked_reward(await self.user_code(env["reward"], label, task, text), label)
+                break
+            result = await self.user_code(env["env_step"], label, task, list(conversation), text, rng)
+            if not isinstance(result, tuple) or len(result) not in (3, 4):
+                raise DataError(f"env_step() returned {type(result).__name__} for {label}; expected "
+                                "(observation, reward, done) or (observation, reward, done, info)")
+            message, step_reward, done = result[:3]
+            for key, value in (result[3] if len(result) == 4 and result[3] else {}).items():
+                info[key] = info.get(key, 0) + value
+            total += checked_reward(step_reward, label, "env_step()")
+            if done or message is None or (cut and args.on_truncation == "end"):
+                break
+            message = message if isinstance(message, dict) else {"role": "user", "content": str(message)}
+            conversation += [{"role": "assistant", "content": text}, message]
+            closed = action if action and action[-1] in job.fmt["stop"] else action + job.fmt["stop"][:1]
+            new = await self.off_loop(self.token_pool, observation_tokens, job.tokenizer, job.fmt, message)
+            observation = observation + closed + new
+        return Episode(turns, total, truncated, info)
+
+
+def checked_reward(value, label, where="reward()"):
+    if isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{where} returned {value!r} for {label}; expected a finite float. Fix it in the "
+                        "EDIT ME block and check with --dry-run")
+    return float(value)
+
+
+def call_user_code(fn, label, *args):
+    """render_prompt() / reward() called outside a rollout; an exception there is bad input."""
+    try:
+        return fn(*args)
+    except ScriptError:
+        raise
+    except Exception as e:
+        raise DataError(f"{fn.__name__}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
+
+
+_PROBE = "Zq7PROBEqZ"
+
+
+def render_text(tokenizer, fmt, messages, tools=None, add_generation_prompt=True):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    with _frozen_clock(frozen):
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
+
+
+def observation_tokens(tokenizer, fmt, message):
+    """Tokens that follow a closed model turn: the observation message and the next generation prompt.
+
+    Rendered after a probe assistant turn and cut after its end-of-turn token, so the result appends
+    to the tokens actually sampled (the extension property holds by construction and the episode
+    stays one datum, whatever the template does to earlier turns)."""
+    if isinstance(message, str):
+        message = {"role": "user", "content": message}
+    text = render_text(tokenizer, fmt, [{"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": _PROBE}, message])
+    eot = tokenizer.decode([fmt["stop"][0]])
+    start = text.index(_PROBE) + len(_PROBE)
+    cut = text.index(eot, start) + len(eot)
+    return tokenizer.encode(text[cut:], add_special_tokens=False)
+
+
+def completion_text(tokenizer, fmt, tokens):
+    if tokens and tokens[-1] in fmt["stop"]:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens)
+
+
+def rollout_rows(it, groups, batch, tokenizer):
+    """One rollouts.jsonl row per episode: exactly the tokens and numbers the update used.
+    prompt_tokens + completion_tokens is the episode's sequence (observations included, sampler logprob
+    0 there); each turn's observation_tokens are the tokens added before its action (the whole context
+    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained."""
+    rows = []
+    for g, group in enumerate(groups):
+        for s, episode in enumerate(group.episodes):
+            trained = (g, s) in batch.advantages
+            prompt = episode.turns[0].observation
+            completion, lps, turns, context = [], [], [], list(prompt)
+            for k, turn in enumerate(episode.turns):
+                extends = k > 0 and turn.observation[: len(context)] == context
+                new = turn.observation[len(context):] if extends else ([] if k == 0 else list(turn.observation))
+                turns.append({"observation_tokens": new, "action_tokens": turn.action, "masked": not trained,
+                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason})
+                completion += new + turn.action
+                lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
+                context = (context if extends or k == 0 else []) + new + turn.action
+            version = it if group.version is None else group.version
+            rows.append({"iteration": it, "task": group.task_index, "group": g, "sample": s,
+                         "sampler_version": version, "staleness": it - version,
+                         "prompt_tokens": prompt, "completion_tokens": completion, "sampler_logprobs": lps,
+                         "reward": episode.reward, "advantage": batch.advantages.get((g, s), 0.0),
+                         "trained": trained, "turns": turns, "prompt_text": tokenizer.decode(prompt),
+                         "completion_text": tokenizer.decode(completion)})
+    return rows
+
+
+def sampler_version(iteration, start, max_staleness, save_every):
+    """The weights (counted in optim steps) the rollouts of `iteration` are sampled with: its own when
+    max_staleness is 0 (on-policy), else up to max_staleness steps older, but never older than the run's
+    start or the last save point at or before it, so a --resume samples exactly what the uninterrupted
+    run did."""
+    floor = max(start, iteration // save_every * save_every) if save_every else start
+    return max(iteration - max_staleness, floor)
+
+
+class Sampling:
+    """The sampler and the rollouts of each iteration. After every optim step `trained(version)` snapshots
+    the weights and starts every iteration whose sampler_version() they are. With --max-staleness 0 that
+    is the next iteration, sampled when asked for (today's on-policy loop); with K >= 1 the next K
+    iterations sample in a background event loop while this one trains."""
+
+    def __init__(self, rollouts, training_client, start, end, tasks_and_seeds, max_staleness, save_every):
+        self.rollouts, self.tc, self.end, self.tasks_and_seeds = rollouts, training_client, end, tasks_and_seeds
+        self.version_of = functools.partial(sampler_version, start=start, max_staleness=max_staleness,
+                                            save_every=save_every)
+        self.sampler = self.version = self.loop = None
+        self.next, self.pending, self.snapshot_seconds = start, {}, 0.0
+        if max_staleness:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="sampling", daemon=True).start()
+
+    def __enter__(self):
+        self.trained(self.next)
+        return self
+
+    def __exit__(self, *exc):
+        if not self.loop:
+            for pending in self.pending.values():
+                pending.close()  # never started
+            return
+        with contextlib.suppress(Exception):  # rollouts still in flight (an error or ^C): stop them
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def trained(self, version):
+        """The weights now hold `version` optim steps: snapshot them (for the rollouts and evaluation of
+        iterations still to run) and start every iteration whose sampler they are."""
+        if version >= self.end:
+            return
+        t0 = time.time()
+        self.sampler, self.version = self.tc.save_weights_and_get_sampling_client().result(), version
+        self.snapshot_seconds += time.time() - t0
+        while self.next < self.end and self.version_of(self.next) <= version:
+            task_indices, seeds = self.tasks_and_seeds(self.next)
+            self.pending[self.next] = self.start(self.rollouts.batch(self.sampler, task_indices, seeds, version))
+            self.next += 1
+
+    def start(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop) if self.loop else coroutine
+
+    def wait(self, started):
+        return started.result() if self.loop else asyncio.run(started)
+
+    def groups(self, iteration):
+        """The rollouts of `iteration` (waits for them)."""
+        return self.wait(self.pending.pop(iteration))
+
+    def run(self, coroutine):
+        """Other sampling (evaluation) on the newest sampler, beside the rollouts in flight."""
+        return self.wait(self.start(coroutine))
+
+    def take_snapshot_seconds(self):
+        seconds, self.snapshot_seconds = self.snapshot_seconds, 0.0
+        return seconds
+
+
+async def _cancel_all():
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+# ==== END SHARED CODE (sha256 c19603fa2182) ====
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_sampler_learner_kl_reads_only_completion_positions():
     import numpy as np
 
     out = {"logprobs": np.array(learner, dtype=np.float32)}
-    kl = distill.sampler_learner_kl([datum], [len(PROMPT)], [out])
+    kl = distill.kl_metrics([datum], [[0.0] * (len(PROMPT) - 1) + [1.0] * len(COMPLETION)], [out])
     assert math.isclose(kl["kl_sample_train_v1"], 0.1, rel_tol=1e-5)
     assert math.isclose(kl["kl_sample_train_v2"], 0.005, rel_tol=1e-4)
 

@@ -1,0 +1,421 @@
+"""RL rollouts for tinker_rl.py: tasks and seeds per iteration, episodes sampled with bounded concurrency
+and environment calls that overlap, group-relative advantages, datums, the rollout trace, and the
+schedule of sampler versions (on-policy, or up to --max-staleness steps behind while training runs)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import random
+import threading
+import time
+
+from errors import DataError, ScriptError, one_line  # splice: drop
+from onpolicy import RequestGate, rl_datum  # splice: drop
+from render import _frozen_clock  # splice: drop
+
+
+def task_label(tasks, index):
+    text = json.dumps(tasks[index], default=str)
+    return f"task {index} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+
+def batch_tasks(iteration, n_tasks, batch_size, seed):
+    """Task indices of one iteration: epochs of seeded shuffles, so --resume picks the same tasks."""
+    out = []
+    for k in range(iteration * batch_size, (iteration + 1) * batch_size):
+        epoch, pos = divmod(k, n_tasks)
+        order = list(range(n_tasks))
+        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+        out.append(order[pos])
+    return out
+
+
+def group_seed(seed, iteration, slot):
+    """The seed of one group: its sampler calls and its environment rng (the same for every sample)."""
+    return random.Random(f"{seed}-{iteration}-{slot}").randrange(2**31)
+
+
+def advantages(rewards, normalize_std=False):
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if not normalize_std:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(centred))
+    return [c / (std + 1e-6) for c in centred]
+
+
+@dataclasses.dataclass
+class Turn:
+    observation: list[int]  # everything the sampler was given for this turn
+    action: list[int]  # the sampled tokens
+    logprobs: list[float]  # the sampler's logprob of each sampled token
+    stop_reason: str
+
+
+@dataclasses.dataclass
+class Episode:
+    turns: list[Turn]
+    reward: float
+    truncated: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Group:
+    task_index: int
+    seed: int
+    episodes: list[Episode]
+    version: int | None = None  # optim steps in the weights it was sampled with (None: the iteration's own)
+
+
+@dataclasses.dataclass
+class Batch:
+    datums: list  # what forward_backward receives
+    masks: list  # per datum, 1 on sampled (trained) target positions: for the KL metrics
+    tied: int  # groups skipped because every reward was the same
+    advantages: dict  # (group index, sample index) -> advantage, for every episode of an untied group
+    stale: int = 0  # groups dropped because their sampler was more than --max-staleness steps behind
+
+
+def episode_sequences(turns, advantage):
+    """Unshifted (tokens, sampler logprobs, advantages, mask) per datum of one episode.
+
+    A turn whose observation starts with everything so far extends it: only the new observation
+    tokens are appended (logprob, advantage and mask 0), then the action (sampler logprobs, the
+    episode's advantage, mask 1). A turn that does not extend starts a new datum."""
+    sequences, seq = [], None
+    for turn in turns:
+        if seq is not None and turn.observation[: len(seq[0])] == seq[0]:
+            new = turn.observation[len(seq[0]):]
+        else:
+            if seq is not None:
+                sequences.append(seq)
+            seq, new = ([], [], [], []), turn.observation
+        if len(turn.logprobs) != len(turn.action):
+            raise ScriptError(f"sampler returned {len(turn.logprobs)} logprobs for {len(turn.action)} tokens")
+        tokens, lps, advs, mask = seq
+        tokens += new + turn.action
+        lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
+        advs += [0.0] * len(new) + [float(advantage)] * len(turn.action)
+        mask += [0.0] * len(new) + [1.0] * len(turn.action)
+    if seq is not None:
+        sequences.append(seq)
+    return sequences
+
+
+
+def build_batch(groups, normalize_std=False, iteration=None, max_staleness=0) -> Batch:
+    """Datums of every group whose rewards do not all tie (tied groups carry no signal) and that was
+    sampled at most max_staleness optim steps before `iteration` (staler groups are dropped, counted)."""
+    batch = Batch([], [], 0, {})
+    for g, group in enumerate(groups):
+        if group.version is not None and iteration is not None and iteration - group.version > max_staleness:
+            batch.stale += 1
+            continue
+        rewards = [e.reward for e in group.episodes]
+        if max(rewards) - min(rewards) < 1e-9:
+            batch.tied += 1
+            continue
+        for s, (episode, adv) in enumerate(zip(group.episodes, advantages(rewards, normalize_std))):
+            batch.advantages[(g, s)] = adv
+            for tokens, lps, advs, mask in episode_sequences(episode.turns, adv):
+                if len(tokens) < 2 or not any(mask):
+                    continue
+                batch.datums.append(rl_datum(tokens, lps, advs))
+                batch.masks.append(mask[1:])
+    return batch
+
+
+class Rollouts:
+    """Runs the groups of one iteration: at most --max-in-flight sampling requests at once (the rest
+    wait), a 429 or transient error retried with back-off, plain-function environment code in a thread
+    pool and tokenizer work in its own thread, so the event loop only schedules."""
+
+    def __init__(self, job, args, context_window):
+        self.job, self.args, self.context_window = job, args, context_window
+        self.env_pool = self.token_pool = None
+        self.gate = RequestGate(args.max_in_flight)
+
+    @contextlib.contextmanager
+    def pools(self):
+        workers = self.args.env_workers
+        with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="env") as env_pool, \
+                concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as token_pool:
+            self.env_pool = env_pool if workers else None
+            self.token_pool = token_pool if workers else None
+            try:
+                yield self
+            finally:
+                self.env_pool = self.token_pool = None
+
+    def take_retries(self):
+        return self.gate.take_retries()
+
+    async def batch(self, sampler, task_indices, seeds, version=None):
+        """All groups of one iteration (every group started at once; the gate bounds requests), each
+        marked with the version of the weights `sampler` holds."""
+        groups = await asyncio.gather(*(self.group(sampler, t, s) for t, s in zip(task_indices, seeds)))
+        for group in groups:
+            group.version = version
+        return list(groups)
+
+    async def group(self, sampler, task_index, seed, n=None, temperature=None):
+        """One group: the first turn of all its samples in one call, then each episode on its own."""
+        prompt = self.job.prompts[task_index]
+        params = self.params(len(prompt), seed, temperature)
+        response = await self.sample(sampler, prompt, n or self.args.group_size, params)
+        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature)
+                                          for i, seq in enumerate(response.sequences)))
+        return Group(task_index, seed, list(episodes))
+
+    async def evaluate(self, sampler, k, seed, pass_reward):
+        """Held-out tasks: the mean reward of one greedy episode each, and pass@k (the share of tasks where
+        one of k samples scores pass_reward or more)."""
+        held_out = range(self.job.n_train, len(self.job.tasks))
+        greedy, sampled = await asyncio.gather(
+            asyncio.gather(*(self.group(sampler, t, seed, 1, 0.0) for t in held_out)),
+            asyncio.gather(*(self.group(sampler, t, seed, k) for t in held_out)))
+        passed = [max(e.reward for e in g.episodes) >= pass_reward for g in sampled]
+        return {"eval/greedy_reward": sum(g.episodes[0].reward for g in greedy) / len(greedy),
+                f"eval/pass@{k}": sum(passed) / len(passed), "eval/tasks": len(passed)}
+
+    async def sample(self, sampler, prompt, n, params):
+        import tinker
+
+        return await self.gate.call(sampler.sample, prompt=tinker.ModelInput.from_ints(prompt), num_samples=n,
+                                    sampling_params=params)
+
+    def params(self, prompt_len, seed, temperature=None):
+        import tinker
+
+        cap = self.args.max_tokens
+        if self.context_window is not None:
+            cap = min(cap, self.context_window - prompt_len)
+        temperature = self.args.temperature if temperature is None else temperature
+        return None if cap <= 0 else tinker.SamplingParams(
+            max_tokens=cap, temperature=temperature, stop=list(self.job.fmt["stop"]), seed=seed)
+
+    async def off_loop(self, pool, fn, *args):
+        """fn(*args) awaited: a coroutine function directly, a plain one in `pool` (inline without one)."""
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        if pool is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    async def user_code(self, fn, label, *args):
+        """reward() / env_step(): an exception there is bad input, named by task."""
+        try:
+            return await self.off_loop(self.env_pool, fn, *args)
+        except ScriptError:
+            raise
+        except Exception as e:
+            name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__
+            raise DataError(f"{name}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
+
+    async def episode(self, sampler, task_index, seed, index, first, temperature=None):
+        """Continue one episode from its first sampled turn until the environment says done."""
+        job, args = self.job, self.args
+        task, env = job.tasks[task_index], job.env
+        label = task_label(job.tasks, task_index)
+        rng = random.Random(seed)  # the same environment randomness for every sample of the group
+        conversation = list(env["render_prompt"](task)) if env["env_step"] else None
+        observation, sequence = job.prompts[task_index], first
+        turns, total, truncated, info = [], 0.0, False, {}
+        for turn_index in range(args.max_turns):
+            if turn_index > 0:
+                params = self.params(len(observation), seed + 7919 * index + turn_index, temperature)
+                if params is None:  # no room left in the context window
+                    truncated = True
+                    break
+                sequence = (await self.sample(sampler, observation, 1, params)).sequences[0]
+            action = list(sequence.tokens)
+            turns.append(Turn(observation, action, list(sequence.logprobs or []), sequence.stop_reason))
+            text = await self.off_loop(self.token_pool, completion_text, job.tokenizer, job.fmt, action)
+            cut = sequence.stop_reason == "length"
+            truncated = truncated or cut
+            if env["env_step"] is None:
+                total += checked_reward(await self.user_code(env["reward"], label, task, text), label)
+                break
+            result = await self.user_code(env["env_step"], label, task, list(conversation), text, rng)
+            if not isinstance(result, tuple) or len(result) not in (3, 4):
+                raise DataError(f"env_step() returned {type(result).__name__} for {label}; expected "
+                                "(observation, reward, done) or (observation, reward, done, info)")
+            message, step_reward, done = result[:3]
+            for key, value in (result[3] if len(result) == 4 and result[3] else {}).items():
+                info[key] = info.get(key, 0) + value
+            total += checked_reward(step_reward, label, "env_step()")
+            if done or message is None or (cut and args.on_truncation == "end"):
+                break
+            message = message if isinstance(message, dict) else {"role": "user", "content": str(message)}
+            conversation += [{"role": "assistant", "content": text}, message]
+            closed = action if action and action[-1] in job.fmt["stop"] else action + job.fmt["stop"][:1]
+            new = await self.off_loop(self.token_pool, observation_tokens, job.tokenizer, job.fmt, message)
+            observation = observation + closed + new
+        return Episode(turns, total, truncated, info)
+
+
+def checked_reward(value, label, where="reward()"):
+    if isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{where} returned {value!r} for {label}; expected a finite float. Fix it in the "
+                        "EDIT ME block and check with --dry-run")
+    return float(value)
+
+
+def call_user_code(fn, label, *args):
+    """render_prompt() / reward() called outside a rollout; an exception there is bad input."""
+    try:
+        return fn(*args)
+    except ScriptError:
+        raise
+    except Exception as e:
+        raise DataError(f"{fn.__name__}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
+
+
+_PROBE = "Zq7PROBEqZ"
+
+
+def render_text(tokenizer, fmt, messages, tools=None, add_generation_prompt=True):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    with _frozen_clock(frozen):
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
+
+
+def observation_tokens(tokenizer, fmt, message):
+    """Tokens that follow a closed model turn: the observation message and the next generation prompt.
+
+    Rendered after a probe assistant turn and cut after its end-of-turn token, so the result appends
+    to the tokens actually sampled (the extension property holds by construction and the episode
+    stays one datum, whatever the template does to earlier turns)."""
+    if isinstance(message, str):
+        message = {"role": "user", "content": message}
+    text = render_text(tokenizer, fmt, [{"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": _PROBE}, message])
+    eot = tokenizer.decode([fmt["stop"][0]])
+    start = text.index(_PROBE) + len(_PROBE)
+    cut = text.index(eot, start) + len(eot)
+    return tokenizer.encode(text[cut:], add_special_tokens=False)
+
+
+def completion_text(tokenizer, fmt, tokens):
+    if tokens and tokens[-1] in fmt["stop"]:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens)
+
+
+def rollout_rows(it, groups, batch, tokenizer):
+    """One rollouts.jsonl row per episode: exactly the tokens and numbers the update used.
+    prompt_tokens + completion_tokens is the episode's sequence (observations included, sampler logprob
+    0 there); each turn's observation_tokens are the tokens added before its action (the whole context
+    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained."""
+    rows = []
+    for g, group in enumerate(groups):
+        for s, episode in enumerate(group.episodes):
+            trained = (g, s) in batch.advantages
+            prompt = episode.turns[0].observation
+            completion, lps, turns, context = [], [], [], list(prompt)
+            for k, turn in enumerate(episode.turns):
+                extends = k > 0 and turn.observation[: len(context)] == context
+                new = turn.observation[len(context):] if extends else ([] if k == 0 else list(turn.observation))
+                turns.append({"observation_tokens": new, "action_tokens": turn.action, "masked": not trained,
+                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason})
+                completion += new + turn.action
+                lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
+                context = (context if extends or k == 0 else []) + new + turn.action
+            version = it if group.version is None else group.version
+            rows.append({"iteration": it, "task": group.task_index, "group": g, "sample": s,
+                         "sampler_version": version, "staleness": it - version,
+                         "prompt_tokens": prompt, "completion_tokens": completion, "sampler_logprobs": lps,
+                         "reward": episode.reward, "advantage": batch.advantages.get((g, s), 0.0),
+                         "trained": trained, "turns": turns, "prompt_text": tokenizer.decode(prompt),
+                         "completion_text": tokenizer.decode(completion)})
+    return rows
+
+
+
+def sampler_version(iteration, start, max_staleness, save_every):
+    """The weights (counted in optim steps) the rollouts of `iteration` are sampled with: its own when
+    max_staleness is 0 (on-policy), else up to max_staleness steps older, but never older than the run's
+    start or the last save point at or before it, so a --resume samples exactly what the uninterrupted
+    run did."""
+    floor = max(start, iteration // save_every * save_every) if save_every else start
+    return max(iteration - max_staleness, floor)
+
+
+class Sampling:
+    """The sampler and the rollouts of each iteration. After every optim step `trained(version)` snapshots
+    the weights and starts every iteration whose sampler_version() they are. With --max-staleness 0 that
+    is the next iteration, sampled when asked for (today's on-policy loop); with K >= 1 the next K
+    iterations sample in a background event loop while this one trains."""
+
+    def __init__(self, rollouts, training_client, start, end, tasks_and_seeds, max_staleness, save_every):
+        self.rollouts, self.tc, self.end, self.tasks_and_seeds = rollouts, training_client, end, tasks_and_seeds
+        self.version_of = functools.partial(sampler_version, start=start, max_staleness=max_staleness,
+                                            save_every=save_every)
+        self.sampler = self.version = self.loop = None
+        self.next, self.pending, self.snapshot_seconds = start, {}, 0.0
+        if max_staleness:
+            self.loop = asyncio.new_event_loop()
+            threading.Thread(target=self.loop.run_forever, name="sampling", daemon=True).start()
+
+    def __enter__(self):
+        self.trained(self.next)
+        return self
+
+    def __exit__(self, *exc):
+        if not self.loop:
+            for pending in self.pending.values():
+                pending.close()  # never started
+            return
+        with contextlib.suppress(Exception):  # rollouts still in flight (an error or ^C): stop them
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def trained(self, version):
+        """The weights now hold `version` optim steps: snapshot them (for the rollouts and evaluation of
+        iterations still to run) and start every iteration whose sampler they are."""
+        if version >= self.end:
+            return
+        t0 = time.time()
+        self.sampler, self.version = self.tc.save_weights_and_get_sampling_client().result(), version
+        self.snapshot_seconds += time.time() - t0
+        while self.next < self.end and self.version_of(self.next) <= version:
+            task_indices, seeds = self.tasks_and_seeds(self.next)
+            self.pending[self.next] = self.start(self.rollouts.batch(self.sampler, task_indices, seeds, version))
+            self.next += 1
+
+    def start(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop) if self.loop else coroutine
+
+    def wait(self, started):
+        return started.result() if self.loop else asyncio.run(started)
+
+    def groups(self, iteration):
+        """The rollouts of `iteration` (waits for them)."""
+        return self.wait(self.pending.pop(iteration))
+
+    def run(self, coroutine):
+        """Other sampling (evaluation) on the newest sampler, beside the rollouts in flight."""
+        return self.wait(self.start(coroutine))
+
+    def take_snapshot_seconds(self):
+        seconds, self.snapshot_seconds = self.snapshot_seconds, 0.0
+        return seconds
+
+
+async def _cancel_all():
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
