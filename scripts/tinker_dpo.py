@@ -1205,16 +1205,36 @@ def _render_chunk(chunk):
 
 def _render_in_pool(examples, tokenizer, fmt, train_on, workers, renderer=None) -> list:
     global _POOL_JOB
+    import concurrent.futures
+    import gc
+    from concurrent.futures.process import BrokenProcessPool
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
     size = min(max(len(examples) // (workers * 8), 200), 5000)
     chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
     _POOL_JOB = (tokenizer, fmt, train_on, renderer)
+    gc.freeze()  # the workers' garbage collector then leaves the inherited objects (and their pages) alone
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            # in order, each chunk unpacked here while the workers render the next ones
-            return [row for part in pool.imap(_render_chunk, chunks) for row in _unpack(part)]
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                                    initializer=_pool_worker_start) as pool:
+            try:  # in order, each chunk unpacked here while the workers render the next ones
+                return [row for part in pool.map(_render_chunk, chunks) for row in _unpack(part)]
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+    except BrokenProcessPool:  # a worker was killed (out of memory?): a plain pool would wait forever
+        say("render: a worker process died (out of memory?); rendering in this process instead")
+        return _unpack(_render_serial(examples, tokenizer, fmt, train_on, renderer))
     finally:
+        gc.unfreeze()
         _POOL_JOB = None
+
+
+def _pool_worker_start():
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the script's handler would wait for Python code to run
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
 
 
 class _FastPathMismatch(Exception):
@@ -2045,7 +2065,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 c12db5e20c29) ====
+# ==== END SHARED CODE (sha256 5b9f3c9a9cd6) ====
 
 
 if __name__ == "__main__":

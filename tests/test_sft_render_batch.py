@@ -118,3 +118,25 @@ def test_a_render_error_on_the_batch_path_names_its_line(chat_family):
 def test_weight_runs_round_trip():
     for weights in ([], [0.0], [1.0], [0.0, 0.0, 1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0]):
         assert sft._weights(sft._runs(weights)) == weights
+
+
+def _dies_on_line_1500(chunk):
+    """A pool worker killed mid-chunk (as the kernel's out-of-memory killer does)."""
+    import os
+
+    if any(ex["line"] == 1500 for ex in chunk):
+        os._exit(9)
+    return _REAL_CHUNK[0](chunk)
+
+
+_REAL_CHUNK = []
+
+
+def test_a_killed_pool_worker_costs_a_serial_render_not_a_hang(chat_family, monkeypatch, capsys):
+    tok, fmt = chat_family("Qwen3-8B")
+    examples = varied(sft.POOL_MIN_EXAMPLES + 100, seed=3, awkward=False)
+    expected = sft.render_all(examples, tok, fmt, "last-assistant", workers=1)
+    _REAL_CHUNK[:] = [sft._render_chunk]
+    monkeypatch.setattr(sft, "_render_chunk", _dies_on_line_1500)
+    assert sft.render_all(examples, tok, fmt, "last-assistant", workers=2) == expected
+    assert "a worker process died" in capsys.readouterr().err
