@@ -155,3 +155,24 @@ def test_resume_neither_replays_nor_skips_an_iteration(local_tinker, monkeypatch
     assert [(c["name"], c["next_iteration"]) for c in ckpts] == [("000001", 1), ("final", 2), ("final", 3)]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["format"] == result["format"] and config["iterations"] == 2  # never rewritten on resume
+
+
+def test_off_policy_rehearsal_samples_one_iteration_behind_and_trains(local_tinker, monkeypatch, capsys, tmp_path):
+    """--max-staleness 1 on the local backend: every iteration after the first samples with the weights of
+    the one before (the real SDK's sampler, awaited from the background sampling loop), trains on them
+    with the sampler's logprobs, and the learner then differs from the sampler (KL no longer ~0)."""
+    code, result, err = run_in_process(local_tinker, monkeypatch, capsys, "--max-staleness", "1",
+                                       "--log-path", str(tmp_path / "run"))
+    assert code == 0, err
+    metrics = rows(tmp_path / "run" / "metrics.jsonl")
+    print("off-policy rehearsal reward per iteration:", [m["reward_mean"] for m in metrics],
+          "kl v1:", [m.get("kl_sample_train_v1") for m in metrics])
+    assert [m["sampler_version"] for m in metrics] == [0, 0, 1, 2, 3]
+    assert [m["staleness_max"] for m in metrics] == [0, 1, 1, 1, 1]
+    assert all(m["groups_stale_dropped"] == 0 for m in metrics)
+    assert abs(metrics[0]["kl_sample_train_v1"]) < 1e-3  # iteration 0: the sampler is the learner
+    behind = [m["kl_sample_train_v1"] for prev, m in zip(metrics, metrics[1:]) if prev["datums"] and m["datums"]]
+    assert behind and max(abs(k) for k in behind) > 1e-3, behind  # one update between sampler and learner
+    trace = rows(tmp_path / "run" / "rollouts.jsonl")
+    assert {(r["iteration"], r["sampler_version"]) for r in trace} == {(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)}
+    assert result["status"] == "ok" and result["sampler_path"]
