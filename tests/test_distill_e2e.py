@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # SFT teacher + 8 iterations + resume
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # SFT teacher + 16 iterations + resume
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT = ROOT / "scripts" / "tinker_sft.py"
@@ -19,7 +19,8 @@ DISTILL = ROOT / "scripts" / "tinker_distill.py"
 PAIRS = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
          ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
 SFT_EPOCHS = 30  # 4 examples, batch 4: one step per epoch
-ITERATIONS = 8
+ITERATIONS = 16
+GROUP_SIZE = 4  # 4 prompts x 4 samples x 8 tokens per iteration: enough tokens that the curve is not noise
 
 
 def run(args, local_tinker, timeout=1500):
@@ -55,8 +56,8 @@ def teacher_log(local_tinker, memorisable, tmp_path_factory):
 
 def distill_args(local_tinker, teacher_log, memorisable, log, iterations, *extra):
     return [DISTILL, "--teacher", teacher_log, "--prompts", memorisable, "--tokenizer", local_tinker.tokenizer_dir,
-            "--model-name", local_tinker.model, "--batch-size", "4", "--group-size", "2", "--max-tokens", "8",
-            "--iterations", iterations, "--learning-rate", "1e-2", "--lora-rank", "8", "--save-every", "4",
+            "--model-name", local_tinker.model, "--batch-size", "4", "--group-size", str(GROUP_SIZE), "--max-tokens", "8",
+            "--iterations", iterations, "--learning-rate", "2e-2", "--lora-rank", "8", "--save-every", "8",
             "--log-path", log, *extra]
 
 
@@ -74,19 +75,21 @@ def test_the_students_reverse_kl_to_the_teacher_falls(distilled):
     print("reverse KL per iteration:", [round(k, 4) for k in curve], file=sys.stderr)
     assert len(curve) == ITERATIONS
     assert report["reverse_kl"] == {"first": curve[0], "last": curve[-1]}
-    # the base student starts far from the memorised teacher (~13 nats per token on the norm-x20 tiny
-    # model); a few steps buy a visible drop, measured 12.9 -> 9.3 (first three vs last three of 8)
-    first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
-    assert last < 0.85 * first, curve
-    assert min(curve[-3:]) < min(curve[:3]), curve
+    # the base student starts far from the memorised teacher (~12 nats per token on the norm-x20 tiny
+    # model) and one iteration's estimate is noisy (+-2 nats); over 16 iterations the drop is clear:
+    # last quarter / first quarter measured 0.80, 0.66 and 0.77 on three seeds (8 iterations at 2 samples
+    # and lr 1e-2 gave 0.78-0.93, too close to noise for a test)
+    first, last = sum(curve[:4]) / 4, sum(curve[-4:]) / 4
+    assert last < 0.9 * first, curve
+    assert min(curve[-4:]) < min(curve[:4]), curve
     assert f"iter {ITERATIONS}/{ITERATIONS} | reverse KL" in stderr
 
 
 def test_the_teacher_grades_every_sampled_token_and_trains_on_full_sequences(distilled):
     log, _, _ = distilled
     for row in rows(log / "metrics.jsonl"):
-        assert row["sequences"] == 8  # 4 prompts x 2 samples
-        assert 8 <= row["tokens_sampled"] <= 64
+        assert row["sequences"] == 4 * GROUP_SIZE  # 4 prompts x GROUP_SIZE samples
+        assert 4 * GROUP_SIZE <= row["tokens_sampled"] <= 4 * GROUP_SIZE * 8
         # teacher scores prompt + completion; the datum is that sequence minus its last token
         assert row["tokens_trained"] == row["tokens_teacher"] - row["sequences"]
         assert row["teacher_logprob"] <= 0 and row["student_logprob"] <= 0
@@ -100,8 +103,8 @@ def test_the_run_record_names_the_teacher_and_ends_with_a_sampler_checkpoint(dis
     assert config["teacher"] == teacher_final == report["teacher"]["model_path"]
     assert config["teacher_base"] == "Qwen/Qwen3-8B"
     checkpoints = rows(log / "checkpoints.jsonl")
-    assert [c["name"] for c in checkpoints] == ["000004", "final"]
-    assert [c["next_iteration"] for c in checkpoints] == [4, ITERATIONS]
+    assert [c["name"] for c in checkpoints] == ["000008", "final"]
+    assert [c["next_iteration"] for c in checkpoints] == [8, ITERATIONS]
     assert checkpoints[-1]["sampler_path"] == report["sampler_path"]
     assert checkpoints[-1]["format"] == config["format"] == report["format"]
 

@@ -148,16 +148,23 @@ def test_a_broken_loss_mask_fails_the_rehearsal_before_anything_is_trained(monke
 
 
 @pytest.mark.e2e
-def test_readme_rehearsal_learns_on_the_local_backend(local_tinker, tmp_path):
-    """README's first command runs `tinker_sft.py --rehearse` on the local backend: the probes must show it."""
+def test_readme_rehearsal_learns_on_the_local_backend(local_backend_install, tmp_path):
+    """README's first command, as written after setup: `tinker_local.py run -- python scripts/tinker_sft.py
+    --rehearse ...` on a server of its own, as a user gets it: the probes must show it learnt. (On the
+    suite's long-lived shared server, after ~800 other tests, the same seed once gave held-out NLL 2.086
+    and 2/4 probes instead of 3.274 and 4/4 on a fresh server; the cause is not pinned down.)"""
+    venv, home = local_backend_install
     readme = (ROOT / "README.md").read_text()
     first = readme.split("```bash\n", 1)[1].splitlines()[0]
-    command = first.split("tinker_local.py run -- ", 1)[1].split()
+    run_part = first.split(" && ")[-1].split()
+    assert run_part[1:4] == ["scripts/tinker_local.py", "run", "--"], run_part
+    command = run_part[4:]
     assert command[1:3] == ["scripts/tinker_sft.py", "--rehearse"], command
     log = tmp_path / "rehearsal"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--rehearse", "--log-path", str(log),
-                          "--tokenizer", str(local_tinker.tokenizer_dir), *command[3:]],
-                         capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=1200)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_local.py"), "run", "--venv", str(venv),
+                          "--home", str(home), "--", sys.executable, str(SCRIPT), *command[2:],
+                          "--log-path", str(log)],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["rehearsal"]["passed"], report["rehearsal"]
