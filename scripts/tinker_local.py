@@ -33,8 +33,9 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
 **Limits of the rehearsal** (SkyRL 0.4.0 JAX backend, checked against tinker SDK 0.38.0):
   - one base model per server; `create_lora_training_client` with another name trains the
     served tiny model anyway;
-  - losses: `cross_entropy`, `importance_sampling`, `ppo`, `cispo` work; `gspo` is rejected
-    (400), `dro` is rejected (422); `forward_backward_custom` works (needs torch client-side);
+  - losses: `cross_entropy`, `importance_sampling`, `ppo`, `cispo`, `gspo` (with its
+    `sequence_ratio_mask` input) work; `dro` and `stable_reinforce` are rejected (422);
+    `forward_backward_custom` works (needs torch client-side);
   - OpenAI-compatible `$TINKER_BASE_URL/oai/api/v1/completions` and `/chat/completions` (as
     `tinker_infer.py --http` calls them) sample the same sampler as the SDK (same seed, same
     tokens); no streaming and no top logprobs there;

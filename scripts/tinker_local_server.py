@@ -37,6 +37,8 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      sampling_a_checkpoint_needs_its_training_model  checkpoints get their own slots  none known
   D. Features Tinker has and skyrl lacks
      no_openai_endpoint          /oai/api/v1/completions and /chat/completions  none known
+     jax_backend_without_gspo    loss_fn="gspo" (Tinker's GSPO-token) on the JAX backend, with
+                                 its sequence_ratio_mask input                  none known
 
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
@@ -237,6 +239,27 @@ def apply_api_shims(api) -> None:
 
     route("/api/v1/load_weights", load_weights_or_create, req=Request)
 
+    # D. gspo: skyrl's request model keeps only the loss inputs it knows, so GSPO's
+    # sequence_ratio_mask never reached the engine. GSPO takes no `weights`: carry the mask in that
+    # slot (the engine's gspo loss reads it there) and refuse a gspo datum without its inputs, as a
+    # 400 the SDK raises at once.
+    read_forward_backward = api._read_forward_backward_request
+
+    async def read_forward_backward_with_gspo_mask(request):
+        req, forward_only = await read_forward_backward(request)
+        if req.forward_backward_input.loss_fn == "gspo":
+            for i, datum in enumerate(req.forward_backward_input.data):
+                inputs = datum.loss_fn_inputs
+                missing = [k for k in ("logprobs", "advantages", "sequence_ratio_mask") if k not in inputs]
+                if missing:
+                    raise HTTPException(status_code=400, detail=(
+                        f"loss_fn='gspo' needs loss_fn_inputs {missing} (datum {i}): sequence_ratio_mask "
+                        "marks the sampled tokens whose mean log-ratio makes the sequence ratio"))
+                inputs["weights"] = inputs["sequence_ratio_mask"]
+        return req, forward_only
+
+    api._read_forward_backward_request = read_forward_backward_with_gspo_mask
+
     # B/C. session finish: SDK 0.38's ServiceClient.close() posts sessions/{id}/finish, which skyrl
     # lacks (404). Unload the session's models there so a finished client frees its LoRA slot
     # now instead of after the stale-session timeout.
@@ -425,6 +448,30 @@ def apply_engine_shims() -> None:
                 out.prompt_logprobs = [None, *logprobs]
         return results
 
+    # D. gspo: Tinker's GSPO-token (tinker docs, losses/gspo). s = exp(mean over the masked tokens of
+    # sg(logp) - logq); each token's ratio carries s's value with its own logp's gradient; the loss is
+    # -sum_t min(r_t A_t, clip(r_t, lo, hi) A_t) over every token (A is 0 off the sampled tokens and
+    # on padding). skyrl's JAX loss switch stops at cispo; add the branch (vmapped per datum, so
+    # the mean is per sequence). `mask` is sequence_ratio_mask (the API shim puts it in weights);
+    # lo/hi are clip_low_threshold/clip_high_threshold, skyrl's PPO defaults 0.8/1.2 when unset.
+    from skyrl.tinker import loss_fns
+
+    def gspo_loss(target_logprobs, mask, sampling_logprobs, advantages, loss_fn_config):
+        import jax
+        import jax.numpy as jnp
+        detached = jax.lax.stop_gradient(target_logprobs)
+        in_ratio = mask != 0.0
+        log_ratio = (jnp.sum(jnp.where(in_ratio, detached - sampling_logprobs, 0.0))
+                     / jnp.maximum(jnp.sum(in_ratio), 1))
+        ratio = jnp.exp(log_ratio + target_logprobs - detached)
+        clipped = jnp.clip(ratio, loss_fn_config.clip_low_threshold, loss_fn_config.clip_high_threshold)
+        return -jnp.minimum(ratio * advantages, clipped * advantages)
+
+    if "gspo" not in types.LOSS_TYPES:  # LOSS_TYPES and LOSS_FUNCTIONS are the objects jax.py uses
+        assert len(loss_fns.LOSS_FUNCTIONS) == len(types.LOSS_TYPES), "skyrl's loss switch changed"
+        types.LOSS_TYPES["gspo"] = len(loss_fns.LOSS_FUNCTIONS)
+        loss_fns.LOSS_FUNCTIONS.append(gspo_loss)
+
     jax_backend.JaxBackendImpl._model_pass = model_pass_with_loss_sum
     engine.TinkerEngine._filter_valid_requests = filter_valid_with_checkpoints
     engine.TinkerEngine.process_sample = process_sample_in_checkpoint_slots
@@ -608,7 +655,7 @@ def gaps_still_open() -> dict[str, bool]:
 
     bare = sp.run([sys.executable, "-c", "import skyrl.tinker.types"], capture_output=True, text=True)
     from skyrl.backends.jax import JaxBackendImpl
-    from skyrl.tinker import api
+    from skyrl.tinker import api, types
     from skyrl.tinker.config import EngineConfig
     from skyrl.tinker.db_models import SessionDB
     from skyrl.tinker.engine import TinkerEngine
@@ -638,6 +685,7 @@ def gaps_still_open() -> dict[str, bool]:
         "capabilities_without_context_window": "max_context_length" not in inspect.getsource(
             api.get_server_capabilities),
         "no_openai_endpoint": not any("completions" in (p or "") for p in paths),
+        "jax_backend_without_gspo": "gspo" not in types.LOSS_TYPES,
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
     }

@@ -154,12 +154,93 @@ def test_each_supported_loss_runs_forward_backward(local_tinker, sdk):
 
 @pytest.mark.e2e
 def test_unsupported_loss_is_rejected_with_a_clear_error(local_tinker, sdk):
+    import tinker
     service, _, tokenizer = sdk
+    rl_inputs = {"logprobs": lambda n: [-2.0] * n, "advantages": lambda n: [0.5] * n}
     training = service.create_lora_training_client(local_tinker.model, rank=8).result()
-    with pytest.raises(Exception, match="not supported"):
-        training.forward_backward(datums(tokenizer, **{"logprobs": lambda n: [-2.0] * n,
-                                                       "advantages": lambda n: [0.5] * n}),
-                                  "gspo").result()
+    with pytest.raises(tinker.UnprocessableEntityError, match="stable_reinforce"):
+        training.forward_backward(datums(tokenizer, **rl_inputs), "stable_reinforce").result()
+    # gspo is served, but only with the input that defines its sequence ratio
+    training = service.create_lora_training_client(local_tinker.model, rank=8).result()
+    with pytest.raises(tinker.BadRequestError, match="sequence_ratio_mask"):
+        training.forward_backward(datums(tokenizer, **rl_inputs), "gspo").result()
+
+
+def gspo_reference(p, q, mask, advantages, lo=0.8, hi=1.2) -> float:
+    """Tinker's GSPO-token loss:sum (tinker docs, Loss Functions > GSPO), in numpy: per datum,
+    s = exp(mean over the masked tokens of (p - q)); every token's ratio has s's value; the loss is
+    -sum_t min(s A_t, clip(s, lo, hi) A_t)."""
+    import numpy as np
+    total = 0.0
+    for p_i, q_i, m_i, a_i in zip(p, q, mask, advantages):
+        p_i, q_i, m_i, a_i = (np.asarray(x, dtype=np.float64) for x in (p_i, q_i, m_i, a_i))
+        s = np.exp((p_i - q_i)[m_i != 0].mean())
+        total += -np.minimum(s * a_i, np.clip(s, lo, hi) * a_i).sum()
+    return float(total)
+
+
+def gspo_batch(tokenizer, learner_logprobs, log_ratios, advantage):
+    """Datums whose second half is "sampled" (mask 1, advantage A) with sampler logprobs q set so
+    that datum i's sequence log-ratio is log_ratios[i] (token noise around it, mean zero)."""
+    import numpy as np
+    from tinker import types
+    rng = np.random.default_rng(0)
+    out, qs, masks, advs = [], [], [], []
+    for d, p, r in zip(datums(tokenizer), learner_logprobs, log_ratios):
+        n = len(p)
+        mask = np.array([0.0] * (n // 2) + [1.0] * (n - n // 2), dtype=np.float32)
+        noise = rng.normal(0, 0.05, n)
+        noise -= noise[mask != 0].mean()
+        q = (np.asarray(p) - r + noise).astype(np.float32)
+        adv = (mask * advantage).astype(np.float32)
+        out.append(types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": types.TensorData.from_numpy(q),
+            "advantages": types.TensorData.from_numpy(adv),
+            "sequence_ratio_mask": types.TensorData.from_numpy(mask)}))
+        qs.append(q), masks.append(mask), advs.append(adv)
+    return out, qs, masks, advs
+
+
+@pytest.mark.e2e
+def test_gspo_loss_is_tinkers_gspo_token_loss_and_clipping_stops_its_gradient(local_tinker, sdk):
+    """loss:sum equals the numpy reference from the same logprobs, with default and configured clip
+    thresholds; a batch whose every sequence ratio sits above the clip (A > 0) gets no gradient
+    (an optim_step leaves the weights as they were); an unclipped batch with A > 0 raises the
+    sampled tokens' logprobs."""
+    import numpy as np
+    service, _, tokenizer = sdk
+    training = service.create_lora_training_client(local_tinker.model, rank=8, seed=3).result()
+
+    def logprobs(data):
+        return [np.array(o["logprobs"].data) for o in training.forward(data, "cross_entropy").result().loss_fn_outputs]
+
+    p0 = logprobs(datums(tokenizer))
+    log_ratios = [-0.6, -0.15, -0.02, 0.0, 0.05, 0.12, 0.3, 0.9]  # ratios 0.55 .. 2.46, both sides of the clip
+    for advantage in (1.0, -1.0):
+        data, q, mask, adv = gspo_batch(tokenizer, p0, log_ratios, advantage)
+        for config, (lo, hi) in ((None, (0.8, 1.2)), ({"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}, (0.9, 1.1))):
+            out = training.forward(data, "gspo", loss_fn_config=config).result()
+            p = [np.array(o["logprobs"].data) for o in out.loss_fn_outputs]
+            assert max(np.abs(a - b).max() for a, b in zip(p, p0)) < 1e-4  # the learner's logprobs
+            expected = gspo_reference(p, q, mask, adv, lo, hi)
+            assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-3), (advantage, config)
+
+    # every sequence ratio above hi with A > 0: min() picks the clipped, constant term -> zero gradient
+    clipped, *_ = gspo_batch(tokenizer, p0, [0.5] * 8, 1.0)
+    from tinker import types
+    fb = training.forward_backward(clipped, "gspo")
+    step = training.optim_step(types.AdamParams(learning_rate=5e-2))
+    fb.result(), step.result()
+    after_clipped = logprobs(datums(tokenizer))
+    assert max(np.abs(a - b).max() for a, b in zip(after_clipped, p0)) < 1e-6
+
+    # inside the clip range with A > 0: the step raises the sampled (masked) tokens' logprobs
+    inside, _, mask, _ = gspo_batch(tokenizer, p0, [0.0] * 8, 1.0)
+    fb = training.forward_backward(inside, "gspo")
+    step = training.optim_step(types.AdamParams(learning_rate=5e-2))
+    fb.result(), step.result()
+    after = logprobs(datums(tokenizer))
+    assert sum((a * m).sum() for a, m in zip(after, mask)) > sum((b * m).sum() for b, m in zip(p0, mask)) + 1.0
 
 
 @pytest.mark.e2e
@@ -460,6 +541,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "stale_gradients_survive_slot_reuse": True, "prompt_logprobs_without_leading_none": True,
         "restored_run_ids_rejected_by_checkpoint_routes": True,
         "capabilities_without_context_window": True, "no_openai_endpoint": True,
+        "jax_backend_without_gspo": True,
     }
 
 
@@ -713,8 +795,9 @@ PARITY_START, PARITY_END = "<!-- parity-table: generated by tests/test_local_bac
 # from the run). Calls absent here must be served.
 NOT_SERVED_WHY = {
     "forward_backward(loss_fn='dro')": "skyrl 0.4.0 has no `dro` loss (request validation)",
-    "forward_backward(loss_fn='gspo')": "skyrl's JAX backend rejects `gspo` (only its GPU backends have it)",
-    "forward_backward(loss_fn='stable_reinforce')": "skyrl 0.4.0 has no `stable_reinforce` loss (request validation)",
+    "forward_backward(loss_fn='stable_reinforce')": "Tinker publishes no formula (alpha; it uses stability data the "
+                                                    "hosted sampler records with `record_stability_info=True`); skyrl 0.4.0 "
+                                                    "has no such loss (request validation)",
     "sample(topk_prompt_logprobs=2)": "skyrl's JAX sampler has no top-k prompt logprobs",
     "TrainingClient.save_weights_external": "skyrl 0.4.0 has no external-weights route",
     "RestClient.get_external_weights_urls": "skyrl 0.4.0 has no external-weights route",
@@ -778,7 +861,9 @@ def parity_rows(local_tinker, tokenizer) -> list[tuple[str, str]]:
     probe("TrainingClient.forward", lambda: tc.forward(data, "cross_entropy").result())
     rl_inputs = {"logprobs": lambda k: [-1.0] * k, "advantages": lambda k: [0.5] * k}
     for loss in ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"):
-        batch = data if loss == "cross_entropy" else datums(tokenizer, TEXTS[:2], **rl_inputs)
+        # gspo's own input: which tokens make the sequence ratio (Tinker's GSPO requires it)
+        extra = {"sequence_ratio_mask": lambda k: [1.0] * k} if loss == "gspo" else {}
+        batch = data if loss == "cross_entropy" else datums(tokenizer, TEXTS[:2], **rl_inputs, **extra)
         probe(f"forward_backward(loss_fn='{loss}')", lambda: tc.forward_backward(batch, loss).result(timeout=120))
     probe("TrainingClient.forward_backward_custom", lambda: tc.forward_backward_custom(
         data, lambda d, logprobs: (sum(-lp.sum() for lp in logprobs), {})).result())
@@ -813,7 +898,7 @@ def parity_rows(local_tinker, tokenizer) -> list[tuple[str, str]]:
     probe("SamplingClient.compute_logprobs", lambda: base.compute_logprobs(prompt).result())
     probe("SamplingClient.get_tokenizer", lambda: tokenizer_check(got[1]))
     probe("SamplingClient.get_base_model", lambda: base.get_base_model())
-    run_id = sampler_path.split("/")[2]
+    run_id = (sampler_path or state or "tinker://no-checkpoint-was-saved/").split("/")[2]
     probe("RestClient.list_training_runs", lambda: rest.list_training_runs().result())
     probe("RestClient.get_training_run", lambda: rest.get_training_run(run_id).result())
     probe("RestClient.get_training_run_by_tinker_path", lambda: rest.get_training_run_by_tinker_path(state).result())

@@ -203,7 +203,7 @@ def test_sampling_a_path_that_is_not_a_tinker_path(service):
 
 @pytest.mark.e2e
 @proves("Input should be 'cross_entropy', 'importance_sampling', 'ppo', 'gspo', 'cispo', 'ppo_critic' or 'dppo'",
-        "Loss functions ['gspo'] are not supported by the JAX backend",
+        "loss_fn='gspo' needs loss_fn_inputs ['sequence_ratio_mask']",
         "'ForwardBackwardOutput' object has no attribute 'loss'",
         "A previous request failed; this TrainingClient is poisoned and cannot accept further requests.")
 def test_rejected_losses_leave_the_client_usable_but_a_failed_custom_loss_poisons_it(service, trained):
@@ -212,7 +212,8 @@ def test_rejected_losses_leave_the_client_usable_but_a_failed_custom_loss_poison
     assert msg.startswith("UnprocessableEntityError: ") and "422" in msg
     check(msg, "Input should be 'cross_entropy', 'importance_sampling', 'ppo', 'gspo', 'cispo', 'ppo_critic' or 'dppo'")
     msg = raised(lambda: tc.forward_backward([rl_datum()], "gspo").result())
-    check(msg, "Loss functions ['gspo'] are not supported by the JAX backend")
+    assert msg.startswith("BadRequestError: ")
+    check(msg, "loss_fn='gspo' needs loss_fn_inputs ['sequence_ratio_mask']")
     out = tc.forward_backward([datum()], "cross_entropy").result()  # not poisoned by either
     assert out.metrics["loss:sum"] > 0
     check(raised(lambda: out.loss), "'ForwardBackwardOutput' object has no attribute 'loss'")
