@@ -188,3 +188,15 @@ def test_off_policy_resume_trains_exactly_what_the_uninterrupted_run_does(fake, 
 def test_max_staleness_below_0_is_refused(fake, tmp_path, capsys):
     assert fake.run(tmp_path / "run", "--max-staleness", "-1") == 2
     assert "--max-staleness" in capsys.readouterr().err
+
+
+def test_evaluation_under_max_staleness_scores_the_iterations_own_weights(fake, tmp_path):
+    """--eval-every runs on the background sampling loop beside the rollouts in flight, with the newest
+    weights (iteration k's for the row of iteration k), as on-policy."""
+    log = tmp_path / "run"
+    assert fake.run(log, "--iterations", "4", "--max-staleness", "1", "--save-every", "0", "--eval-every", "2",
+                    "--eval-samples", "2") == 0
+    metrics = rows(log / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics if "eval/greedy_reward" in m] == [0, 2]
+    greedy = [e for e in fake.events if e[0] == "sample" and e[2] == 0]  # eval groups use --seed 0
+    assert sorted({version for _, version, _ in greedy}) == [0, 2]
