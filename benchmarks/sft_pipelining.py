@@ -31,6 +31,11 @@ trips, about 4 per naive step (submit + result of forward_backward and of optim_
 +100 ms: (7 + 0.8) / 7 = 1.11x expected under that load, (1.15 + 0.8) / 1.15 = 1.7x on an idle machine.
 The run-to-run spread from the load (4-9 s per step) is larger than the effect; re-run on an idle
 machine before drawing a conclusion from a ratio.
+Second run 15:39-15:49 UTC (--steps 8 --repeats 4 --latencies 0,100; no other local backend, load
+4.5-7.1): direct naive 0.232 (0.194-0.321), pipelined 0.217 (0.174-0.250); +100 ms naive 0.190
+(0.185-0.263), pipelined 0.211 (0.195-0.401): 1.11x, and 0.97x the direct pipelined rate (within 5%:
+met). The naive loop lost 0.95 s per step to the latency (4.31 -> 5.26 s), the pipelined one 0.1 s;
+with ~4.6 s server steps that caps the ratio at ~1.2x.
 
 Outputs: a table on stderr and one JSON object on stdout.
 Requires: the local backend set up (python scripts/tinker_local.py setup; >= 7 GB free memory), or
