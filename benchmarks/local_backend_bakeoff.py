@@ -18,11 +18,16 @@ Per candidate:
   step    warm forward_backward + optim_step, 8 sequences of 32 tokens, LoRA rank 8 (2 untimed).
   sample  warm sample, 4 samples of 16 new tokens (1 untimed).
   parity  tests/test_local_backend.py's probe list (every SDK 0.38 call and loss the bundle uses).
+  native  hatchery only: the same step and sample through its own JSON client (`hatchery-client`),
+          for a speed figure where SDK 0.38 cannot train or sample on it.
+The probe stops the SDK from retrying 5xx answers (it would retry each for minutes); the error
+class recorded is the one the SDK raises. The decision rule: adopt the other server only if it
+serves more of the parity list and is at most 1.5x slower; results are in references/setup.md.
 Rounds interleave the candidates (A B, then B A, ...), one server at a time, each started afresh.
 Times are pooled over rounds: median, min, max and each round's median.
 
 Outputs: a table on stderr, one JSON object on stdout. Internal roles (re-entered by this file):
-`probe` (the SDK client, in this venv) and `hatchery-serve` (in hatchery's venv).
+`probe` (the SDK client, in this venv), `hatchery-serve` and `native-probe` (in hatchery's venv).
 """
 from __future__ import annotations
 
