@@ -132,9 +132,11 @@ def test_get_tokenizer_resolves_the_real_name_offline(local_tinker, tmp_path):
 
 
 @pytest.mark.e2e
-def test_each_supported_loss_runs_forward_backward(local_tinker, sdk):
+def test_each_supported_loss_runs_forward_backward(local_tinker, sdk, monkeypatch):
     import tinker
-    service, _, tokenizer = sdk
+    _, _, tokenizer = sdk
+    local_tinker.apply(monkeypatch)
+    service = tinker.ServiceClient()  # closed when the test ends, so its adapter slots come back
     training = service.create_lora_training_client(local_tinker.model, rank=8, seed=1).result()
     rl_inputs = {"logprobs": lambda n: [-2.0] * n, "advantages": lambda n: [0.5] * n}
     sums = {}
@@ -153,9 +155,11 @@ def test_each_supported_loss_runs_forward_backward(local_tinker, sdk):
 
 
 @pytest.mark.e2e
-def test_unsupported_loss_is_rejected_with_a_clear_error(local_tinker, sdk):
+def test_unsupported_loss_is_rejected_with_a_clear_error(local_tinker, sdk, monkeypatch):
     import tinker
-    service, _, tokenizer = sdk
+    _, _, tokenizer = sdk
+    local_tinker.apply(monkeypatch)
+    service = tinker.ServiceClient()  # closed when the test ends, so its adapter slots come back
     rl_inputs = {"logprobs": lambda n: [-2.0] * n, "advantages": lambda n: [0.5] * n}
     training = service.create_lora_training_client(local_tinker.model, rank=8).result()
     with pytest.raises(tinker.UnprocessableEntityError, match="stable_reinforce"):
@@ -202,13 +206,16 @@ def gspo_batch(tokenizer, learner_logprobs, log_ratios, advantage):
 
 
 @pytest.mark.e2e
-def test_gspo_loss_is_tinkers_gspo_token_loss_and_clipping_stops_its_gradient(local_tinker, sdk):
+def test_gspo_loss_is_tinkers_gspo_token_loss_and_clipping_stops_its_gradient(local_tinker, sdk, monkeypatch):
     """loss:sum equals the numpy reference from the same logprobs, with default and configured clip
     thresholds; a batch whose every sequence ratio sits above the clip (A > 0) gets no gradient
     (an optim_step leaves the weights as they were); an unclipped batch with A > 0 raises the
     sampled tokens' logprobs."""
     import numpy as np
-    service, _, tokenizer = sdk
+    _, _, tokenizer = sdk
+    local_tinker.apply(monkeypatch)
+    import tinker
+    service = tinker.ServiceClient()  # closed when the test ends, so its adapter slots come back
     training = service.create_lora_training_client(local_tinker.model, rank=8, seed=3).result()
 
     def logprobs(data):
