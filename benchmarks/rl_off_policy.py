@@ -51,21 +51,48 @@ def say(message: str) -> None:
     print(f"rl_off_policy: {message}", file=sys.stderr, flush=True)
 
 
-def one_run(staleness: int, iterations: int, log: Path, env: dict) -> dict:
-    """Run tinker_rl.py once; time each progress line as it arrives."""
+def process_tree_cpu(roots: set[int]) -> float:
+    """CPU seconds (user + system) used so far by the live processes in the trees under `roots`
+    (each process's own threads included; children that already exited are not counted)."""
+    stats, parent = {}, {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d.name)] = int(fields[1])
+            stats[int(d.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid, cpu in stats.items():
+        p, seen = pid, 0
+        while p and p not in roots and seen < 64:
+            p, seen = parent.get(p, 0), seen + 1
+        total += cpu if p in roots else 0.0
+    return total
+
+
+def one_run(staleness: int, iterations: int, log: Path, env: dict, server_pids: set[int]) -> dict:
+    """Run tinker_rl.py once; time each progress line as it arrives, and the CPU seconds the client and
+    the server (when we started it) used by then."""
     cmd = [sys.executable, str(SCRIPT), "--iterations", str(iterations), "--max-staleness", str(staleness),
            "--save-every", "0", "--trace-every", "0", "--log-path", str(log)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stamps, tail = [], []
+    stamps, cpu, tail = [], [], []
     for line in proc.stderr:
         if line.startswith("iter "):
             stamps.append(time.monotonic())
+            cpu.append(process_tree_cpu(server_pids | {proc.pid}) if server_pids else None)
         tail = (tail + [line.rstrip()])[-5:]
     proc.wait()
     if proc.returncode != 0 or len(stamps) != iterations:
         raise SystemExit(f"tinker_rl.py --max-staleness {staleness} failed ({proc.returncode}): " + " | ".join(tail))
     metrics = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {"iterations_per_s": (iterations - 1) / (stamps[-1] - stamps[0]),
+    seconds_per_iteration = (stamps[-1] - stamps[0]) / (iterations - 1)
+    cpu_per_iteration = (cpu[-1] - cpu[0]) / (iterations - 1) if server_pids else None
+    return {"iterations_per_s": 1 / seconds_per_iteration,
+            "cpu_seconds_per_iteration": round(cpu_per_iteration, 3) if cpu_per_iteration else None,
+            "cores_busy": round(cpu_per_iteration / seconds_per_iteration, 3) if cpu_per_iteration else None,
             "reward": [round(m["reward_mean"], 4) for m in metrics],
             "staleness": [m["staleness_max"] for m in metrics],
             "seconds": {k: round(sum(m[f"seconds_{k}"] for m in metrics), 2)
@@ -165,7 +192,19 @@ def summary(runs: list[dict]) -> dict:
             "reward_last3_mean": [round(x, 4) for x in last3],
             "reward_last3_median": round(statistics.median(last3), 4),
             "reward_curves": [r["reward"] for r in runs], "staleness": runs[0]["staleness"],
-            "seconds": [r["seconds"] for r in runs]}
+            "seconds": [r["seconds"] for r in runs],
+            **({"cores_busy": [r["cores_busy"] for r in runs],
+                "cores_busy_median": statistics.median(r["cores_busy"] for r in runs)}
+               if runs[0].get("cores_busy") else {})}
+
+
+def cpu_ceiling(on_policy: dict) -> float | None:
+    """The most any overlap can speed up the on-policy loop on this machine if the work stays the same:
+    an iteration needs its CPU seconds (client + server) spread over every core, so it takes at least
+    cpu_seconds / cpus; the on-policy loop takes cpu_seconds / cores_busy. Spin-waiting thread pools count as
+    busy, so this overstates the work a little (and understates the ceiling by as much)."""
+    busy = on_policy.get("cores_busy_median")
+    return round(os.cpu_count() / busy, 3) if busy else None
 
 
 def main() -> int:
@@ -207,16 +246,17 @@ def main() -> int:
         base_url = server.base_url
         say(f"server ready in {server.ready_seconds:.1f} s")
     env = {**os.environ, **tinker_local.client_env(base_url, home)}
+    server_pids = {server.proc.pid} if server is not None else set()  # api process; the engine is its child
     load_before = os.getloadavg()
     runs = {mode: [] for mode in MODES}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(args.warmup):
                 for mode in MODES:
-                    say(f"warm-up {mode}: {one_run(MODES[mode], args.iterations, Path(tmp) / f'warm-{mode}-{i}', env)['iterations_per_s']:.3f} it/s")
+                    say(f"warm-up {mode}: {one_run(MODES[mode], args.iterations, Path(tmp) / f'warm-{mode}-{i}', env, server_pids)['iterations_per_s']:.3f} it/s")
             for pair in range(args.pairs):
                 for mode in MODES:  # A B, A B, ...
-                    run = one_run(MODES[mode], args.iterations, Path(tmp) / f"{mode}-{pair}", env)
+                    run = one_run(MODES[mode], args.iterations, Path(tmp) / f"{mode}-{pair}", env, server_pids)
                     runs[mode].append(run)
                     say(f"pair {pair + 1}/{args.pairs} {mode}: {run['iterations_per_s']:.3f} it/s, "
                         f"reward {run['reward']}")
@@ -225,6 +265,10 @@ def main() -> int:
             server.stop()
     result = {mode: summary(r) for mode, r in runs.items()}
     ratio = result["off_policy"]["median"] / result["on_policy"]["median"]
+    ceiling = cpu_ceiling(result["on_policy"])
+    if ceiling:
+        say(f"on-policy keeps {result['on_policy']['cores_busy_median']:.2f} of {os.cpu_count()} cores busy: "
+            f"no overlap of the same work can run it faster than x{ceiling:.2f} here")
     say(f"on-policy {result['on_policy']['median']:.3f} it/s (spread {result['on_policy']['spread']}), "
         f"off-policy {result['off_policy']['median']:.3f} it/s (spread {result['off_policy']['spread']}): "
         f"x{ratio:.2f}; reward last-3 median {result['on_policy']['reward_last3_median']} vs "
@@ -232,7 +276,7 @@ def main() -> int:
     print(json.dumps({"benchmark": "rl_off_policy", "pairs": args.pairs, "iterations": args.iterations,
                       "warmup_runs_per_mode": args.warmup,
                       "settings": "tinker_rl.py rehearsal (--rehearse auto on the local backend), --save-every 0",
-                      **result, "speedup_median": round(ratio, 3),
+                      **result, "speedup_median": round(ratio, 3), "cpu_ceiling": ceiling,
                       "loadavg_before": [round(x, 2) for x in load_before],
                       "loadavg_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}))
     return 0

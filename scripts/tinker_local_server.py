@@ -39,6 +39,8 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      no_openai_endpoint          /oai/api/v1/completions and /chat/completions  none known
      jax_backend_without_gspo    loss_fn="gspo" (Tinker's GSPO-token) on the JAX backend, with
                                  its sequence_ratio_mask input                  none known
+     sampling_waits_for_training sample batches run on a thread of their own,
+                                 beside forward_backward and optim_step         none known
 
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
@@ -418,7 +420,9 @@ def apply_engine_shims() -> None:
                     f"Sampler checkpoint tinker://{model_id}/sampler_weights/{data.checkpoint_id} not found"))
         return errors, {rid: valid[rid] for rid in requests if rid in valid}
 
-    def process_sample_in_checkpoint_slots(self, requests):
+    def checkpoint_slots(self, requests):
+        """The sample batch with each checkpoint given its own slot (created on demand) and its weights
+        loaded, so that sampling it only reads."""
         from skyrl.tinker.db_models import ModelDB
         slots = sampler_slots(self.backend)
         prepared = engine.prepare_sample_batch(requests, self.config.checkpoints_base)
@@ -438,6 +442,10 @@ def apply_engine_shims() -> None:
             slots[slot] = None
             in_use.add(slot)
             prepared.all_model_ids[i] = slot
+        self.backend.load_sampler_weights(prepared)
+        return prepared
+
+    def sample_in_slots(self, requests, prepared):
         results = self.backend.sample(prepared)
         # Prompt logprobs: Tinker returns one per prompt token, None first (compute_logprobs'
         # documented contract); skyrl's JAX backend drops that first entry, shifting every index.
@@ -447,6 +455,90 @@ def apply_engine_shims() -> None:
             if logprobs is not None and len(logprobs) == sum(len(c.tokens) for c in data.prompt.chunks) - 1:
                 out.prompt_logprobs = [None, *logprobs]
         return results
+
+    def process_sample_in_checkpoint_slots(self, requests):
+        return sample_in_slots(self, requests, checkpoint_slots(self, requests))
+
+    # D. sampling beside training: skyrl's JAX loop runs one kind of request at a time (the
+    # forward_backwards, then the samples, then the single ops), so a client that samples while it
+    # trains (tinker_rl.py --max-staleness) gains nothing; Tinker samples on other workers. Here each
+    # sample batch runs on a thread of its own. Its slot bookkeeping and weight loading run under the
+    # backend lock, which every other op holds for its whole run; its generation runs outside the lock:
+    # one jitted prefill+decode that reads the weights when it starts, from its checkpoint's slot, which
+    # no training op writes. The loop waits for the batch's weights to load before it runs the ops queued
+    # behind it (a later save may rewrite the file), and for the whole batch before an op that creates,
+    # loads or deletes slots (create/unload/load_weights, session cleanup).
+    beside_sampling = {types.RequestType.OPTIM_STEP, types.RequestType.SAVE_WEIGHTS,
+                       types.RequestType.SAVE_WEIGHTS_FOR_SAMPLER}
+
+    class SideSampler:
+        def __init__(self, engine_):
+            self.engine, self.lock, self.idle = engine_, threading.Lock(), threading.Event()
+            self.idle.set()
+            self.inflight_ids: set[str] = set()  # find_batchable_sample skips these
+
+        def drain(self, reason: str = "") -> None:  # skyrl's cleanup_stale_sessions calls this
+            self.idle.wait()
+
+        def submit(self, requests) -> None:
+            """Start one sample batch; return once its weights are loaded."""
+            self.idle.clear()
+            self.inflight_ids = set(requests)
+            loaded = threading.Event()
+            threading.Thread(target=self._run, args=(requests, loaded), name="side-sampler", daemon=True).start()
+            loaded.wait()
+
+        def _run(self, requests, loaded) -> None:
+            results = {}
+            try:
+                with self.lock:
+                    errors, valid = self.engine._filter_valid_requests(requests)
+                    results.update(errors)
+                    prepared = checkpoint_slots(self.engine, valid) if valid else None
+                loaded.set()
+                if prepared is not None:
+                    t0 = time.monotonic()
+                    results.update(sample_in_slots(self.engine, valid, prepared))
+                    engine.logger.info(f"sampled beside training: {len(valid)} request(s) in "
+                                       f"{time.monotonic() - t0:.2f}s")
+            except Exception as e:  # noqa: BLE001 - a failed batch fails its futures, not the engine
+                engine.logger.exception(f"Error processing sample batch: {e}")
+                results.update({rid: types.ErrorResponse(error=str(e), status="failed")
+                                for rid in requests if rid not in results})
+            finally:
+                loaded.set()
+                try:
+                    self.engine._complete_futures(results)
+                finally:
+                    self.inflight_ids = set()
+                    self.idle.set()
+
+    def process_pending_requests_beside_sampling(self):
+        side = self.__dict__.get("_side_sampler")
+        if side is None:
+            side = self._side_sampler = self._sampler = SideSampler(self)
+        self.reconcile_profiler()
+        with Session(self.db_engine) as session:
+            passes = self.find_batchable_model_passes(session, types.RequestType.FORWARD_BACKWARD)
+            forwards = self.find_batchable_model_passes(session, types.RequestType.FORWARD)
+            samples = self.find_batchable_sample(session) if side.idle.is_set() else {}
+            singles = self.find_single_requests(session)
+        cleanup_due = (self.config.session_cleanup_interval_sec >= 0 and self.config.session_timeout_sec >= 0
+                       and time.time() - self._last_cleanup_time > self.config.session_cleanup_interval_sec)
+        if samples:
+            side.submit(samples)
+        if cleanup_due or any(kind not in beside_sampling for _, kind, _ in singles.values()):
+            side.drain()
+        if not side.idle.is_set() and (passes or forwards or singles):
+            engine.logger.info(f"beside sampling: {len(passes) + len(forwards) + len(singles)} op(s) start while "
+                               f"{len(side.inflight_ids)} sample request(s) generate")
+        with side.lock:
+            self.process_batch_requests(passes, self.process_forward_backward, "forward_backward", per_model=True)
+            self.process_batch_requests(forwards, self.process_forward, "forward", per_model=True)
+            self.process_single_requests(singles)
+            if cleanup_due:
+                self.cleanup_stale_sessions()
+                self._last_cleanup_time = time.time()
 
     # D. gspo: Tinker's GSPO-token (tinker docs, losses/gspo). s = exp(mean over the masked tokens of
     # sg(logp) - logq); each token's ratio carries s's value with its own logp's gradient; the loss is
@@ -475,6 +567,10 @@ def apply_engine_shims() -> None:
     jax_backend.JaxBackendImpl._model_pass = model_pass_with_loss_sum
     engine.TinkerEngine._filter_valid_requests = filter_valid_with_checkpoints
     engine.TinkerEngine.process_sample = process_sample_in_checkpoint_slots
+    import inspect
+    assert "self.process_batch_requests(sample_requests" in inspect.getsource(
+        engine.TinkerEngine.process_pending_requests_once), "skyrl's engine loop changed: re-check the side sampler"
+    engine.TinkerEngine.process_pending_requests_once = process_pending_requests_beside_sampling
     jax_backend.JaxBackendImpl.create_model = create_model_with_clean_gradients
     engine.TinkerEngine.process_save_weights_for_sampler = save_for_sampler_with_kind
     engine.TinkerEngine.cleanup_stale_sessions = cleanup_including_silent_sessions
@@ -686,6 +782,7 @@ def gaps_still_open() -> dict[str, bool]:
             api.get_server_capabilities),
         "no_openai_endpoint": not any("completions" in (p or "") for p in paths),
         "jax_backend_without_gspo": "gspo" not in types.LOSS_TYPES,
+        "sampling_waits_for_training": not hasattr(JaxBackendImpl, "sample_batch_async"),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
     }

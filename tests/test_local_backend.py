@@ -465,6 +465,44 @@ def test_a_sampler_checkpoint_is_served_apart_from_the_client_that_saved_it(loca
     later.close("success").result()
 
 
+@pytest.mark.e2e
+def test_sampling_runs_beside_training_and_changes_neither_result(local_tinker, monkeypatch):
+    """Tinker samples on other workers while it trains; the local engine samples on a thread of its own
+    (shim D, so tinker_rl.py --max-staleness overlaps here too). Training steps sent while a sample
+    generates start beside it (the server log says so), and both results are the ones each gets alone."""
+    import tinker
+    import transformers
+    from tinker import types
+    local_tinker.apply(monkeypatch)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
+    data = datums(tokenizer)
+    prompt = types.ModelInput.from_ints(tokenizer.encode("Once upon a time"))
+    params = types.SamplingParams(max_tokens=64, temperature=1.0, seed=5)
+    service = tinker.ServiceClient()
+    first = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
+    alone_losses = _train(first, data, 2)
+    sampler = service.create_sampling_client(
+        model_path=first.save_weights_for_sampler("beside").result().path).result()
+    alone = sampler.sample(prompt, num_samples=8, sampling_params=params).result().sequences
+    log = local_tinker.server.log if local_tinker.server is not None else None
+    log_start = log.stat().st_size if log else 0
+
+    second = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
+    pending = sampler.sample(prompt, num_samples=8, sampling_params=params)
+    time.sleep(0.2)  # the engine polls every 0.1 s: the sample is generating when the steps arrive
+    beside_losses = _train(second, data, 2)
+    beside = pending.result().sequences
+    service.close("success").result()
+
+    assert beside_losses == pytest.approx(alone_losses, abs=1e-4)
+    assert [s.tokens for s in beside] == [s.tokens for s in alone]
+    assert sum((s.logprobs for s in beside), []) == pytest.approx(sum((s.logprobs for s in alone), []), abs=1e-5)
+    if log:  # the fixture's own server (not a reused TINKER_TEST_BASE_URL): its log is ours to read
+        with open(log, "rb") as f:
+            f.seek(log_start)
+            assert b"beside sampling:" in f.read()
+
+
 # ---------------------------------------------------------------- the OpenAI-compatible endpoint
 
 
@@ -548,7 +586,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "stale_gradients_survive_slot_reuse": True, "prompt_logprobs_without_leading_none": True,
         "restored_run_ids_rejected_by_checkpoint_routes": True,
         "capabilities_without_context_window": True, "no_openai_endpoint": True,
-        "jax_backend_without_gspo": True,
+        "jax_backend_without_gspo": True, "sampling_waits_for_training": True,
     }
 
 
