@@ -100,16 +100,6 @@ def train_step(training_client, datums, loss_fn, config, learning_rate, on_error
     return result
 
 
-def training_client(service, resume_row, model_name, lora_rank, seed):
-    """The training client: weights and optimizer state of the checkpoint --resume continues from, or a
-    new LoRA."""
-    if resume_row:
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        say(f"resumed from {resume_row['state_path']} at iteration {resume_row['next_iteration']}")
-        return tc
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-
-
 def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     """save_state (and, for the final save, save_weights_for_sampler) submitted together; the row is
     appended once both paths are known. Periodic saves expire after PERIODIC_TTL_SECONDS."""

@@ -1,9 +1,10 @@
-"""Optimizer constants, learning-rate rules and data order shared by the training scripts."""
+"""Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts."""
 from __future__ import annotations
 
 import math
 import random
 
+from errors import say  # splice: drop
 from render import Rendered, to_datum  # splice: drop
 
 # The cookbook's Adam values; the SDK's default eps is 1e-12.
@@ -98,3 +99,15 @@ def batch_nll(result, masks) -> float:
         total -= sum(lp * m for lp, m in zip(logprobs, mask))
         count += sum(mask)
     return total / max(count, 1.0)
+
+
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    if resume_from:
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resumed from {resume_from['state_path']} at {position}")
+        return tc
+    if init_from:
+        return service.create_training_client_from_state(init_from).result()
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()

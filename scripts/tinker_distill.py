@@ -205,7 +205,8 @@ def main(argv=None):
         run.rewind("metrics.jsonl", lambda r: r.get("iteration", -1) < start)
     else:
         run.begin(config)
-    tc = training_client(service, resume_row, args.model_name, args.lora_rank, args.seed)
+    tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
+                         position=f"iteration {start}")
 
     order = BatchOrder(len(student.prompts), args.batch_size,
                        max(len(student.prompts) // args.batch_size, 1), args.seed)
@@ -1811,7 +1812,7 @@ def cookbook_config_fields(config: dict) -> dict:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
 import math
 import random
 
@@ -1908,6 +1909,18 @@ def batch_nll(result, masks) -> float:
         total -= sum(lp * m for lp, m in zip(logprobs, mask))
         count += sum(mask)
     return total / max(count, 1.0)
+
+
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    if resume_from:
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resumed from {resume_from['state_path']} at {position}")
+        return tc
+    if init_from:
+        return service.create_training_client_from_state(init_from).result()
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
 
 
 # ---- common/service.py ----
@@ -2268,16 +2281,6 @@ def train_step(training_client, datums, loss_fn, config, learning_rate, on_error
     return result
 
 
-def training_client(service, resume_row, model_name, lora_rank, seed):
-    """The training client: weights and optimizer state of the checkpoint --resume continues from, or a
-    new LoRA."""
-    if resume_row:
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        say(f"resumed from {resume_row['state_path']} at iteration {resume_row['next_iteration']}")
-        return tc
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-
-
 def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     """save_state (and, for the final save, save_weights_for_sampler) submitted together; the row is
     appended once both paths are known. Periodic saves expire after PERIODIC_TTL_SECONDS."""
@@ -2286,7 +2289,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 d320ea04606b) ====
+# ==== END SHARED CODE (sha256 66126ca359e2) ====
 
 
 if __name__ == "__main__":

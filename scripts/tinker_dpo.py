@@ -179,14 +179,11 @@ def main(argv=None) -> int:
     if resume_from:
         # Rows past the checkpoint were written by the stopped process and will be produced again.
         run.rewind("metrics.jsonl", lambda r: r.get("step", 0) <= start)
-        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
-        say(f"resuming at step {start}/{total_steps} from {resume_from['state_path']}")
     else:
         run.begin(config)
-        if args.init_from:
-            tc = service.create_training_client_from_state(args.init_from).result()
-        else:
-            tc = service.create_lora_training_client(args.model_name, rank=args.lora_rank, seed=args.seed).result()
+    tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_from,
+                         position=f"step {start}/{total_steps}", init_from=args.init_from)
+    if not resume_from:
         refs = compute_references(tc, pairs, args.reference)
         for i, ref in enumerate(refs):
             run.append(REFS_FILE, {"pair": i, "line": pairs[i].line, "sha": pairs[i].sha, **ref})
@@ -1709,7 +1706,7 @@ def cookbook_config_fields(config: dict) -> dict:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
 import math
 import random
 
@@ -1806,6 +1803,18 @@ def batch_nll(result, masks) -> float:
         total -= sum(lp * m for lp, m in zip(logprobs, mask))
         count += sum(mask)
     return total / max(count, 1.0)
+
+
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    if resume_from:
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resumed from {resume_from['state_path']} at {position}")
+        return tc
+    if init_from:
+        return service.create_training_client_from_state(init_from).result()
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
 
 
 # ---- common/service.py ----
@@ -2065,7 +2074,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 5b9f3c9a9cd6) ====
+# ==== END SHARED CODE (sha256 ced84eea7adc) ====
 
 
 if __name__ == "__main__":

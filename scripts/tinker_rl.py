@@ -217,7 +217,8 @@ def main(argv=None):
             run.rewind(name, lambda row: row.get("iteration", -1) < start)
     else:
         run.begin(config)
-    tc = training_client(service, resume_row, args.model_name, args.lora_rank, args.seed)
+    tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
+                         position=f"iteration {start}")
     ro = Rollouts(job, args, context_window)
     cost = CostMeter(args.model_name, run, context=context_window)  # cost/* per row, priced as the estimate
     rewards_seen = [r["reward_mean"] for r in run.rows("metrics.jsonl")]
@@ -1730,7 +1731,7 @@ def cookbook_config_fields(config: dict) -> dict:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
 import math
 import random
 
@@ -1827,6 +1828,18 @@ def batch_nll(result, masks) -> float:
         total -= sum(lp * m for lp, m in zip(logprobs, mask))
         count += sum(mask)
     return total / max(count, 1.0)
+
+
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    if resume_from:
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resumed from {resume_from['state_path']} at {position}")
+        return tc
+    if init_from:
+        return service.create_training_client_from_state(init_from).result()
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
 
 
 # ---- common/service.py ----
@@ -2185,16 +2198,6 @@ def train_step(training_client, datums, loss_fn, config, learning_rate, on_error
             raise
         raise on_error(e) from None
     return result
-
-
-def training_client(service, resume_row, model_name, lora_rank, seed):
-    """The training client: weights and optimizer state of the checkpoint --resume continues from, or a
-    new LoRA."""
-    if resume_row:
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        say(f"resumed from {resume_row['state_path']} at iteration {resume_row['next_iteration']}")
-        return tc
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
 
 
 def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
@@ -2620,7 +2623,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 17ec393e04f4) ====
+# ==== END SHARED CODE (sha256 ed02aee8aecb) ====
 
 
 if __name__ == "__main__":

@@ -240,13 +240,8 @@ def train(args, job, run, service, resume_row):
     the eval after. Returns the final checkpoints.jsonl row."""
     start = resume_row["next_batch"] if resume_row is not None else 0
     job.cost = CostMeter(args.model_name, run)  # prices what each step sends; a resume continues the sum
-    if resume_row is not None:
-        tc = service.create_training_client_from_state_with_optimizer(resume_row["state_path"]).result()
-        say(f"resumed from {resume_row['state_path']} at batch {start}")
-    elif args.init_from:
-        tc = service.create_training_client_from_state(args.init_from).result()
-    else:
-        tc = service.create_lora_training_client(args.model_name, rank=args.lora_rank, seed=args.seed).result()
+    tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
+                         position=f"batch {start}", init_from=args.init_from)
 
     if resume_row is None:  # before training; a fresh LoRA is the identity, so the base model samples
         base = service.create_sampling_client(base_model=args.model_name).result() if samples_wanted(args, job) else None
@@ -1890,7 +1885,7 @@ def cookbook_config_fields(config: dict) -> dict:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules and data order shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
 import math
 import random
 
@@ -1987,6 +1982,18 @@ def batch_nll(result, masks) -> float:
         total -= sum(lp * m for lp, m in zip(logprobs, mask))
         count += sum(mask)
     return total / max(count, 1.0)
+
+
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    if resume_from:
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resumed from {resume_from['state_path']} at {position}")
+        return tc
+    if init_from:
+        return service.create_training_client_from_state(init_from).result()
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
 
 
 # ---- common/service.py ----
@@ -2246,7 +2253,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 5b9f3c9a9cd6) ====
+# ==== END SHARED CODE (sha256 ced84eea7adc) ====
 
 
 if __name__ == "__main__":

@@ -104,8 +104,8 @@ class RecordingService:
         self.created.append((how, arg, tc))
         return SimpleNamespace(result=lambda: tc)
 
-    def create_lora_training_client(self, model, rank, seed):
-        return self._client("lora", (model, rank, seed))
+    def create_lora_training_client(self, base_model, rank, seed):
+        return self._client("lora", (base_model, rank, seed))
 
     def create_training_client_from_state_with_optimizer(self, path):
         return self._client("resume", path)
