@@ -13,15 +13,18 @@ and the reward curve of each on the learnable rehearsal task.
 steady state: (iterations - 1) / the seconds between its first and last progress line (iteration 0 is
 on-policy in both modes, and process start, tokenizer and client creation are left out).
 
-Why --simulated: the local engine runs one request type at a time (skyrl/tinker/engine.py,
-process_pending_requests_once: a forward_backward first drains the samples in flight), so on it
-sampling and training cannot overlap whatever the loop does. Hosted Tinker samples and trains on
-separate workers. --simulated runs the same script in-process against a fake service whose sample
-call takes --sample-seconds and whose forward_backward takes --train-seconds, independently: what the
-loop gains where the service can overlap.
+Why --simulated: on a 2-core machine the local backend is CPU-bound. Its engine samples beside
+training (tinker_local_server.py, shim sampling_waits_for_training), but sampling and training each
+keep ~1.6 of the 2 cores busy, so the overlap is capped by the CPU: the benchmark measures the CPU
+seconds per iteration of the client and the server it started and prints `cpu_ceiling`, the most any
+overlap of the same work could gain there (cpus / cores busy on-policy). Hosted Tinker samples and
+trains on separate workers. --simulated runs the same script in-process against a fake service whose
+sample call takes --sample-seconds and whose forward_backward takes --train-seconds, independently:
+what the loop gains where the service can overlap.
 
 **Outputs:** progress on stderr; one JSON object on stdout: the settings, per mode the rates of every
-run, their median and spread (min..max), the ratio of medians, the reward per iteration of every run and
+run, their median and spread (min..max), CPU seconds per iteration and cores busy (server runs only),
+the ratio of medians, the CPU ceiling, the reward per iteration of every run and
 the mean of the last 3 iterations; the machine's load average before and after.
 
 **Requires:** the local backend set up (`python scripts/tinker_local.py setup`). Starts its own server
