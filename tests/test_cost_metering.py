@@ -16,6 +16,7 @@ import tinker_dpo
 import tinker_pricing
 import tinker_rl
 import tinker_sft
+from test_rl_units import Done
 from test_sft_loop import RecordingService, digits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,21 +167,6 @@ def test_without_tinker_pricing_beside_the_script_rows_carry_no_cost_and_it_is_s
 
 
 # ---------------------------------------------------------------- fakes for RL, DPO and distill
-
-
-class Done:
-    """A finished future: .result() and await both give the value."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout=None):
-        return self.value
-
-    def __await__(self):
-        if False:
-            yield
-        return self.value
 
 
 class Values(list):

@@ -429,18 +429,22 @@ def test_a_new_training_client_does_not_inherit_gradients_left_in_its_slot(local
     assert fresh_run() == pytest.approx(first, abs=1e-4)
 
 
+def sampling_setup(local_tinker, monkeypatch, max_tokens=16, seed=3):
+    """The SDK pointed at the local server; training datums, a prompt and seeded sampling params."""
+    import transformers
+    from tinker import types
+    local_tinker.apply(monkeypatch)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
+    return (datums(tokenizer), types.ModelInput.from_ints(tokenizer.encode("Once upon a time")),
+            types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed))
+
+
 @pytest.mark.e2e
 def test_a_sampler_checkpoint_is_served_apart_from_the_client_that_saved_it(local_tinker, monkeypatch):
     """Tinker samples a saved checkpoint whatever its training client does next, and after that
     client is gone; skyrl loads it into the training slot (a shim gives it its own slot)."""
     import tinker
-    import transformers
-    from tinker import types
-    local_tinker.apply(monkeypatch)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
-    data = datums(tokenizer)
-    prompt = types.ModelInput.from_ints(tokenizer.encode("Once upon a time"))
-    params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    data, prompt, params = sampling_setup(local_tinker, monkeypatch)
     service = tinker.ServiceClient()
     training = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
     _train(training, data, 2)
@@ -472,13 +476,7 @@ def test_newer_checkpoints_take_the_oldest_sampler_slot_and_each_samples_as_its_
     cost 0.6-0.9 s per RL iteration). Five checkpoints sampled in turn, then each again: every
     checkpoint gives its own tokens both times."""
     import tinker
-    import transformers
-    from tinker import types
-    local_tinker.apply(monkeypatch)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
-    data = datums(tokenizer)
-    prompt = types.ModelInput.from_ints(tokenizer.encode("Once upon a time"))
-    params = types.SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    data, prompt, params = sampling_setup(local_tinker, monkeypatch)
     service = tinker.ServiceClient()
     training = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
     samplers, first = [], []
@@ -499,13 +497,7 @@ def test_sampling_runs_beside_training_and_changes_neither_result(local_tinker, 
     (shim D, so tinker_rl.py --max-staleness overlaps here too). Training steps sent while a sample
     generates start beside it (the server log says so), and both results are the ones each gets alone."""
     import tinker
-    import transformers
-    from tinker import types
-    local_tinker.apply(monkeypatch)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
-    data = datums(tokenizer)
-    prompt = types.ModelInput.from_ints(tokenizer.encode("Once upon a time"))
-    params = types.SamplingParams(max_tokens=64, temperature=1.0, seed=5)
+    data, prompt, params = sampling_setup(local_tinker, monkeypatch, max_tokens=64, seed=5)
     service = tinker.ServiceClient()
     first = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
     alone_losses = _train(first, data, 2)
