@@ -49,7 +49,8 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
   - XLA compiles once per sequence-length bucket and sampling shape: keep shapes few.
 
 **Exit codes:** 0 ok · 1 setup step, server start or runtime failure (the message names the
-log file) · 2 bad usage · 130 interrupted · `run`: COMMAND's own exit code.
+log file; `run` interrupts COMMAND if the server dies under it) · 2 bad usage · 130 interrupted ·
+`run`: COMMAND's own exit code.
 
 Internals: the server itself is `tinker_local_server.py` (beside this file), run by the server
 venv's python as the API process, the engine process, the tiny-model builder and the shim checks;
@@ -547,6 +548,18 @@ def cmd_serve(args) -> int:
             server.stop()
 
 
+def _wait_while_serving(child: subprocess.Popen, server: Server) -> int:
+    """COMMAND's exit code; if the server dies first, the SDK in COMMAND would retry forever: stop it."""
+    while True:
+        try:
+            return child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            code = server.proc.poll()
+            if code is not None:
+                raise LocalError(f"the server stopped by itself (exit {code}) while the command ran; the command "
+                                 f"was interrupted; log: {server.log}") from None
+
+
 def cmd_run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -562,8 +575,8 @@ def cmd_run(args) -> int:
             except OSError as exc:
                 raise UsageError(f"cannot run {command[0]!r}: {exc.strerror}") from None
             try:
-                code = child.wait()
-            except KeyboardInterrupt:
+                code = _wait_while_serving(child, server)
+            except (KeyboardInterrupt, LocalError):
                 child.send_signal(signal.SIGINT)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.wait(timeout=10)

@@ -746,6 +746,25 @@ def test_engine_not_ready_in_time_is_reported_with_the_log_and_leaves_no_process
     assert wait_no_processes(str(tmp_path)) == []
 
 
+@pytest.mark.e2e
+def test_run_interrupts_the_command_when_the_server_dies_under_it(installed, tmp_path):
+    """The SDK retries a dead server forever; `run` notices the server is gone, stops the command and
+    says so with the log, instead of leaving both hanging."""
+    venv, home = installed
+    run_dir = tmp_path / "run"
+    kill_server = ("import json, os, signal, sys, time; "
+                   f"os.kill(json.load(open({str(run_dir / 'server.json')!r}))['pid'], signal.SIGKILL); "
+                   "time.sleep(600)")
+    started = time.monotonic()
+    done = tinker_local_cli("run", "--venv", str(venv), "--home", str(home), "--run-dir", str(run_dir),
+                            "--", sys.executable, "-c", kill_server, timeout=300)
+    assert done.returncode == 1
+    error = done.stderr.strip().splitlines()[-1]
+    assert "the server stopped by itself" in error and f"log: {run_dir / 'server.log'}" in error
+    assert time.monotonic() - started < 200  # not the command's 600 s sleep
+    assert wait_no_processes(str(run_dir)) == []
+
+
 CHILD = """
 import os, sys, urllib.request
 url = os.environ["TINKER_BASE_URL"]
