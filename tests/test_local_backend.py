@@ -509,18 +509,31 @@ def test_sampling_runs_beside_training_and_changes_neither_result(local_tinker, 
 
     second = service.create_lora_training_client(local_tinker.model, rank=8, seed=0).result()
     pending = sampler.sample(prompt, num_samples=8, sampling_params=params)
-    time.sleep(0.2)  # the engine polls every 0.1 s: the sample is generating when the steps arrive
+    time.sleep(0.02)  # the sample reaches the server first; steps in the same poll or later run beside it
     beside_losses = _train(second, data, 2)
     beside = pending.result().sequences
-    service.close("success").result()
 
     assert beside_losses == pytest.approx(alone_losses, abs=1e-4)
     assert [s.tokens for s in beside] == [s.tokens for s in alone]
     assert sum((s.logprobs for s in beside), []) == pytest.approx(sum((s.logprobs for s in alone), []), abs=1e-5)
-    if log:  # the fixture's own server (not a reused TINKER_TEST_BASE_URL): its log is ours to read
+
+    def overlapped() -> bool:
         with open(log, "rb") as f:
             f.seek(log_start)
-            assert b"beside sampling:" in f.read()
+            return b"beside sampling:" in f.read()
+
+    # A warm server may finish a sample before the steps arrive (a full-suite run did once): then a few
+    # more sample + forward pairs; the claim is that ops do start while a sample generates.
+    for _ in range(5):
+        if not log or overlapped():
+            break
+        pending = sampler.sample(prompt, num_samples=8, sampling_params=params)
+        time.sleep(0.02)
+        second.forward(data, "cross_entropy").result()
+        pending.result()
+    service.close("success").result()
+    if log:  # the fixture's own server (not a reused TINKER_TEST_BASE_URL): its log is ours to read
+        assert overlapped()
 
 
 # ---------------------------------------------------------------- the OpenAI-compatible endpoint
