@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -298,7 +299,6 @@ def apply_api_shims(api) -> None:
     # [a-zA-Z0-9_-] in {unique_id}: listing, downloading or deleting that run's checkpoints was
     # a 422. Re-register those routes, in front, without the pattern.
     import fastapi
-    import inspect
     for old in [r for r in app.router.routes if "{unique_id}" in getattr(r, "path", "")]:
         signature = inspect.signature(old.endpoint, eval_str=True)
         parameters = [p.replace(default=fastapi.Path(..., max_length=api.ID_MAX_LENGTH))
@@ -475,9 +475,6 @@ def apply_engine_shims() -> None:
                 out.prompt_logprobs = [None, *logprobs]
         return results
 
-    def process_sample_in_checkpoint_slots(self, requests):
-        return sample_in_slots(self, requests, checkpoint_slots(self, requests))
-
     # D. sampling beside training: skyrl's JAX loop runs one kind of request at a time (the
     # forward_backwards, then the samples, then the single ops), so a client that samples while it
     # trains (tinker_rl.py --max-staleness) gains nothing; Tinker samples on other workers. Here each
@@ -533,9 +530,9 @@ def apply_engine_shims() -> None:
                     self.idle.set()
 
     def process_pending_requests_beside_sampling(self):
-        side = self.__dict__.get("_side_sampler")
+        side = self._sampler  # skyrl's slot for its own background sampler: None until the first loop
         if side is None:
-            side = self._side_sampler = self._sampler = SideSampler(self)
+            side = self._sampler = SideSampler(self)
         self.reconcile_profiler()
         with Session(self.db_engine) as session:
             passes = self.find_batchable_model_passes(session, types.RequestType.FORWARD_BACKWARD)
@@ -585,8 +582,6 @@ def apply_engine_shims() -> None:
 
     jax_backend.JaxBackendImpl._model_pass = model_pass_with_loss_sum
     engine.TinkerEngine._filter_valid_requests = filter_valid_with_checkpoints
-    engine.TinkerEngine.process_sample = process_sample_in_checkpoint_slots
-    import inspect
     assert "self.process_batch_requests(sample_requests" in inspect.getsource(
         engine.TinkerEngine.process_pending_requests_once), "skyrl's engine loop changed: re-check the side sampler"
     engine.TinkerEngine.process_pending_requests_once = process_pending_requests_beside_sampling
@@ -764,7 +759,6 @@ def check_shims() -> int:
 def gaps_still_open() -> dict[str, bool]:
     """For each shim, whether unpatched skyrl still has the gap it bridges (tests assert True:
     a release that closes a gap should retire its shim, one that moves a target should fail)."""
-    import inspect
     import re
     import subprocess as sp
 
