@@ -635,9 +635,10 @@ def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
     return (observation, step_reward, done, *info)
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, render, run_record, training, service, onpolicy, rollouts) ====
+# ==== SHARED CODE (generated from common/: errors, flags, render, run_record, service, training, onpolicy, rollouts) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
-# tests/test_shared_code.py fails when this copy differs from its source.
+# tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
+# above uses (directly or through each other) are copied.
 
 
 # ---- common/errors.py ----
@@ -756,18 +757,6 @@ def check_numbers(args, rules: dict) -> None:
         check_number(dest, getattr(args, dest, None), **bounds)
 
 
-def check_readable_file(path, what: str) -> Path:
-    """An existing, readable file, or DataError naming the flag and the file."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"{what} {path}: no such file")
-    if p.is_dir():
-        raise DataError(f"{what} {path} is a folder; expected a file")
-    if not os.access(p, os.R_OK):
-        raise DataError(f"{what} {path} is not readable (permissions)")
-    return p
-
-
 def check_writable_dir(path, what: str) -> Path:
     """A folder that exists and is writable, or can be created under a writable parent."""
     p = Path(path)
@@ -793,13 +782,8 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
-import inspect
-import itertools
 import json
-import multiprocessing
 import os
-import re
-from pathlib import Path
 
 
 FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
@@ -988,11 +972,6 @@ def _role_colon_text(messages):
     return "\n\n".join(parts + ["Assistant:"])
 
 
-def _raw_assistant_text(message):
-    reasoning = (message.get("reasoning_content") or "").strip()
-    return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
-
-
 def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
     """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
     assistant header."""
@@ -1052,58 +1031,6 @@ def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
     return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
 
 
-def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[Rendered]:
-    """The datums of one validated example.
-
-    chat, last-assistant: one datum training the last assistant message.
-    chat, all-assistant: every assistant message is trained; consecutive turns share one datum when
-        the earlier datum's tokens are a prefix of the later one (the template has the extension
-        property). Otherwise each turn is its own datum, rendered in the context the model really
-        sees at that turn (Qwen3 drops earlier turns' <think> blocks, so its turns are separate).
-    Reasoning: a message with reasoning_content (or <think> in its content) renders with thinking on
-        and its reasoning is trained; other messages render with the format's thinking switch.
-    raw: [bos] + prompt + completion + [eos], weights on completion + eos; a conversation becomes
-        role-colon text ('User: ...\\n\\nAssistant:') with the assistant content as completion.
-    """
-    if fmt["kind"] == "chat":
-        messages = example.get("messages") or [
-            {"role": "user", "content": example["prompt"]},
-            {"role": "assistant", "content": example["completion"]},
-        ]
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if train_on == "last-assistant":
-            turns = turns[-1:]
-        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
-        return _merge_extensions(rendered)
-
-    eos = tokenizer.eos_token_id
-    if "messages" in example:
-        messages = example["messages"]
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if train_on == "last-assistant":
-            turns = turns[-1:]
-        pairs = [(messages[:i], " " + _raw_assistant_text(messages[i])) for i in turns]
-    else:
-        pairs = [(example["prompt"], example["completion"])]
-    out = []
-    for prompt_part, completion_text in pairs:
-        prompt = generation_prompt(prompt_part, tokenizer, fmt)
-        completion = tokenizer.encode(completion_text, add_special_tokens=False) + [eos]
-        out.append(Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
-    return _merge_extensions(out)
-
-
-def _merge_extensions(rendered):
-    merged = []
-    for r in rendered:
-        last = merged[-1] if merged else None
-        if last is not None and r.tokens[: len(last.tokens)] == last.tokens:
-            merged[-1] = Rendered(r.tokens, last.weights + r.weights[len(last.tokens):])
-        else:
-            merged.append(r)
-    return merged
-
-
 def stop_tokens(tokenizer, fmt) -> list[int]:
     """Token ids that end a sampled turn: the end-of-turn token the renderer trains (found by rendering
     a probe conversation), plus Harmony's <|call|> when the end-of-turn is <|return|>; raw: [eos]."""
@@ -1117,417 +1044,6 @@ def stop_tokens(tokenizer, fmt) -> list[int]:
         if isinstance(call, int) and call != tokenizer.unk_token_id:
             stops.append(call)
     return stops
-
-
-def to_datum(r: Rendered):
-    """The shift by one: model_input = tokens[:-1], target_tokens = tokens[1:], weights = weights[1:]."""
-    import tinker
-
-    return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
-        loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
-    )
-
-
-def weighted_spans(tokenizer, r: Rendered) -> list[str]:
-    """Decoded text of each run of consecutive weighted tokens (what the audit shows a human)."""
-    spans, current = [], []
-    for tok, w in zip(r.tokens, r.weights):
-        if w:
-            current.append(tok)
-        elif current:
-            spans.append(current)
-            current = []
-    if current:
-        spans.append(current)
-    return [tokenizer.decode(s) for s in spans]
-
-
-def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
-    """--format auto|chat|raw: auto is raw for *-Base models or tokenizers without a template, else chat."""
-    if kind == "auto":
-        base = model_name.split(":", 1)[0].endswith("-Base")
-        kind = "raw" if base or not tokenizer.chat_template else "chat"
-    if kind == "chat":
-        return chat_format(tokenizer, name=tokenizer_name, thinking=thinking)
-    return raw_format(tokenizer, name=tokenizer_name)
-
-
-POOL_MIN_EXAMPLES = 2000  # below this a process pool costs more than it saves
-CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not worth a file
-_POOL_JOB = None  # (tokenizer, fmt, train_on, renderer), inherited by forked render workers
-
-
-def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None, fast=True) -> list:
-    """[(line, Rendered)] for every validated example, equal to render_example's; a RenderError names the
-    example's line.
-
-    Chat conversations render through BatchRenderer (the template run once per conversation shape, the
-    tokenizer over the pieces; checked against render_example, see there); fast=False renders each one
-    with render_example. Large sets render in a process pool over every core (forked, so each worker
-    inherits the tokenizer; the per-datum checks run unchanged in the workers). With cache_dir, the
-    result is kept in a file keyed by (examples, tokenizer, format, train_on, rendering code), so a
-    --resume or a real run after a dry run reads it back instead of rendering again."""
-    path = None
-    if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
-        path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
-        cached = _read_render_cache(path)
-        if cached is not None:
-            return cached
-    workers = workers or os.cpu_count() or 1
-    pooled = workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods()
-    # One renderer per call (inherited by forked workers): its caches never carry one call's work into another.
-    renderer = BatchRenderer(tokenizer, fmt) if fast and fmt["kind"] == "chat" else None
-    try:
-        out = (_render_in_pool(examples, tokenizer, fmt, train_on, workers, renderer) if pooled
-               else _unpack(_render_serial(examples, tokenizer, fmt, train_on, renderer)))
-    except _FastPathMismatch:  # the template is not what BatchRenderer assumes: render it the slow, exact way
-        out = (_render_in_pool(examples, tokenizer, fmt, train_on, workers, None) if pooled
-               else _unpack(_render_serial(examples, tokenizer, fmt, train_on, None)))
-    if path is not None:
-        _write_render_cache(path, out)
-    return out
-
-
-def _render_serial(examples, tokenizer, fmt, train_on, renderer=None) -> list:
-    """[(line, tokens, weight runs)]: the compact form the pool and the cache pass around. With a
-    BatchRenderer, through it; else render_example per example."""
-    if renderer is not None:
-        return renderer.render(examples, train_on)
-    out = []
-    for ex in examples:
-        try:
-            out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in render_example(ex, tokenizer, fmt, train_on))
-        except RenderError as e:
-            raise RenderError(f"line {ex['line']}: {e}") from None
-    return out
-
-
-def _runs(weights) -> list[int]:
-    """Weights (0/1) as run lengths, starting with a run of zeros: [0, 0, 1, 1, 1, 0] -> [2, 3, 1]."""
-    runs = [len(list(group)) for _, group in itertools.groupby(weights)]
-    return [0, *runs] if weights and weights[0] else runs
-
-
-def _weights(runs) -> list[float]:
-    out = []
-    for k, n in enumerate(runs):
-        out += [float(k % 2)] * n
-    return out
-
-
-def _unpack(rows) -> list:
-    return [(line, Rendered(tokens, _weights(runs))) for line, tokens, runs in rows]
-
-
-def _render_chunk(chunk):
-    tokenizer, fmt, train_on, renderer = _POOL_JOB
-    return _render_serial(chunk, tokenizer, fmt, train_on, renderer)
-
-
-def _render_in_pool(examples, tokenizer, fmt, train_on, workers, renderer=None) -> list:
-    global _POOL_JOB
-    import concurrent.futures
-    import gc
-    from concurrent.futures.process import BrokenProcessPool
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust pool must not be shared over fork
-    size = min(max(len(examples) // (workers * 8), 200), 5000)
-    chunks = [examples[i:i + size] for i in range(0, len(examples), size)]
-    _POOL_JOB = (tokenizer, fmt, train_on, renderer)
-    gc.freeze()  # the workers' garbage collector then leaves the inherited objects (and their pages) alone
-    try:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                                                    initializer=_pool_worker_start) as pool:
-            try:  # in order, each chunk unpacked here while the workers render the next ones
-                return [row for part in pool.map(_render_chunk, chunks) for row in _unpack(part)]
-            except BaseException:
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-    except BrokenProcessPool:  # a worker was killed (out of memory?): a plain pool would wait forever
-        say("render: a worker process died (out of memory?); rendering in this process instead")
-        return _unpack(_render_serial(examples, tokenizer, fmt, train_on, renderer))
-    finally:
-        gc.unfreeze()
-        _POOL_JOB = None
-
-
-def _pool_worker_start():
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the script's handler would wait for Python code to run
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-
-
-class _FastPathMismatch(Exception):
-    """BatchRenderer and render_example disagreed on a conversation: render_all renders again without it."""
-
-
-_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001|\ue002(\\d+)\ue003")  # private-use marks: message k's content / reasoning
-_MESSAGE_KEYS = {"role", "content", "reasoning_content"}
-
-
-class BatchRenderer:
-    """render_example for many chat conversations at once, equal to it token for token.
-
-    Why it is fast: the chat template (Jinja, about 1 ms a call) runs once per conversation *shape* (roles,
-    which messages carry reasoning, the trained turn, thinking on or off) with marker strings in place of
-    the contents; each conversation's text is that skeleton with its contents filled in. The text is cut
-    at the tokenizer's added tokens (<|im_start|>, <think>, ...), which the fast tokenizer matches before
-    anything else, so each piece between them tokenizes on its own exactly as inside the whole text; the
-    pieces of a whole chunk go to the Rust tokenizer in one batch and repeated pieces (system prompts,
-    headers) are tokenized once. The per-datum checks of _render_chat_turn (prompt is a prefix, trailing
-    whitespace after the end-of-turn token untrained, ends on a special token, reasoning kept) run on
-    every datum.
-
-    When it applies: a message's content (and reasoning_content) is "inert": non-empty, no leading or
-    trailing whitespace, no '<' or '>', no added token's text, and the message has no keys beyond role,
-    content and reasoning_content; the example has no tools. Templates branch on content only through
-    such things (Qwen3 looks for '</think>' and '<tool_response>', strips newlines; Llama trims), so an
-    inert content renders as its marker did. Everything else goes through render_example. The assumption
-    is checked, not trusted: the skeleton must come out the same with markers of another length, the
-    first conversations of every shape and every VERIFY_EVERY-th one are also rendered by render_example
-    and compared, and any difference raises _FastPathMismatch (render_all then renders the whole set
-    with render_example)."""
-
-    VERIFY_FIRST = 2  # conversations of each new shape also rendered the slow way
-    VERIFY_EVERY = 64  # and every 64th fast-rendered conversation
-    SEGMENT_CACHE_MAX = 200_000
-
-    def __init__(self, tokenizer, fmt):
-        self.tokenizer, self.fmt = tokenizer, fmt
-        self.special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
-        self.backend = getattr(tokenizer, "backend_tokenizer", None)
-        added = {t.content: i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
-        self.odd_added = [c for c in added if "<" not in c and ">" not in c]
-        # Cutting at added tokens is exact when they match plain text (no stripping of neighbours,
-        # no normalisation first); otherwise each whole text is tokenized.
-        plain = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized)
-                    for t in getattr(tokenizer, "added_tokens_decoder", {}).values())
-        self.split_re = (re.compile("(" + "|".join(re.escape(c) for c in sorted(added, key=len, reverse=True)) + ")")
-                         if plain and added and self.backend is not None else None)
-        self.added = added
-        self.skeletons, self.shape_seen = {}, {}
-        self.segments, self.blank = {}, {}
-        self.count = 0
-
-    def render(self, examples, train_on) -> list:
-        """[(line, tokens, weight runs)] of every example, in order."""
-        jobs, texts = [], []
-        for ex in examples:
-            plan = self._plan(ex, train_on)
-            jobs.append((ex, plan))
-            if plan is not None:
-                texts.extend(t for _, prompt, full in plan for t in (prompt, full))
-        ids = self._tokenize(texts)
-        out, k = [], 0
-        for ex, plan in jobs:
-            rendered = None
-            if plan is not None:
-                turns = []
-                for (shape, _), _, _ in plan:
-                    turns.append(self._turn(ex["messages"][len(shape) - 1], ids[k], ids[k + 1]))
-                    k += 2
-                if all(t is not None for t in turns):
-                    rendered = _merge_extensions(turns)
-                    self._verify(ex, train_on, plan, rendered)
-            if rendered is None:  # the slow path, which also words any error
-                try:
-                    rendered = render_example(ex, self.tokenizer, self.fmt, train_on)
-                except RenderError as e:
-                    raise RenderError(f"line {ex['line']}: {e}") from None
-            out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in rendered)
-        return out
-
-    def _inert(self, text):
-        return (isinstance(text, str) and text and text == text.strip() and "<" not in text and ">" not in text
-                and not any(c in text for c in self.odd_added))
-
-    def _plan(self, ex, train_on):
-        """[(shape, prompt text, full text)] per trained turn, or None: render_example renders it."""
-        messages = ex.get("messages")
-        if not messages or ex.get("tools"):
-            return None
-        values, shape = [], []
-        for k, m in enumerate(messages):
-            if not m.keys() <= _MESSAGE_KEYS or not self._inert(m["content"]):
-                return None
-            reasoning = m.get("reasoning_content")
-            if reasoning is not None and not self._inert(reasoning):
-                return None
-            values.append((m["content"], reasoning))
-            shape.append((m["role"], reasoning is not None))
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if train_on == "last-assistant":
-            turns = turns[-1:]
-        plan = []
-        thinking_on = self.fmt["template_kwargs"].get("enable_thinking", False)
-        for i in turns:
-            key = (tuple(shape[: i + 1]), thinking_on or values[i][1] is not None)
-            skeleton = self.skeletons.get(key)
-            if skeleton is None:
-                skeleton = self.skeletons[key] = self._skeleton(key)
-            if skeleton is False:
-                return None
-            plan.append((key, _fill(skeleton[0], values), _fill(skeleton[1], values)))
-        return plan
-
-    def _skeleton(self, key):
-        """(prompt parts, full parts) of a shape, or False when the template cannot be compiled this way."""
-        shape, thinking = key
-
-        def text(offset, n, generation):
-            msgs = []
-            for k, (role, has_reasoning) in enumerate(shape[:n]):
-                m = {"role": role, "content": f"\ue000{k + offset}\ue001"}
-                if has_reasoning:
-                    m["reasoning_content"] = f"\ue002{k + offset}\ue003"
-                msgs.append(m)
-            return _template_text(self.tokenizer, msgs, self.fmt, add_generation_prompt=generation, thinking=thinking)
-
-        try:
-            n = len(shape)
-            parts = [_parts(text(0, n - 1, True), 0), _parts(text(0, n, False), 0)]
-            again = [_parts(text(1000, n - 1, True), 1000), _parts(text(1000, n, False), 1000)]
-        except Exception:  # the slow path renders it and words the error
-            return False
-        return tuple(parts) if parts == again else False
-
-    def _tokenize(self, texts) -> list[list[int]]:
-        if self.split_re is None:
-            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)] if self.backend \
-                else [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        if len(self.segments) > self.SEGMENT_CACHE_MAX:
-            self.segments.clear()
-        if not self.segments:
-            self.segments[""] = []
-            self.segments.update({c: [i] for c, i in self.added.items()})
-        segments = self.segments
-        pieces = [self.split_re.split(t) for t in texts]
-        new = list({p for ps in pieces for p in ps if p not in segments})  # added tokens are always known
-        if new:
-            for p, e in zip(new, self.backend.encode_batch(new, add_special_tokens=False)):
-                segments[p] = e.ids
-        out = []
-        for ps in pieces:
-            ids = []
-            for p in ps:
-                ids += segments[p]
-            out.append(ids)
-        return out
-
-    def _is_blank(self, tok):
-        blank = self.blank.get(tok)
-        if blank is None:
-            blank = self.blank[tok] = not self.tokenizer.decode([tok]).strip()
-        return blank
-
-    def _turn(self, message, prompt, full):
-        """_render_chat_turn's datum and checks from token ids; None when a check fails (the slow path
-        then raises the error with its wording)."""
-        if full[: len(prompt)] != prompt:
-            return None
-        completion = full[len(prompt):]
-        while completion and completion[-1] not in self.special and self._is_blank(completion[-1]):
-            completion.pop()
-        if not completion or completion[-1] not in self.special:
-            return None
-        reasoning = (message.get("reasoning_content") or "").strip()
-        if reasoning and reasoning not in self.tokenizer.decode(completion):
-            return None
-        return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
-
-    def _verify(self, ex, train_on, plan, rendered):
-        self.count += 1
-        seen = self.shape_seen[plan[-1][0]] = self.shape_seen.get(plan[-1][0], 0) + 1
-        if seen <= self.VERIFY_FIRST or self.count % self.VERIFY_EVERY == 0:
-            try:
-                slow = render_example(ex, self.tokenizer, self.fmt, train_on)
-            except RenderError:
-                slow = None
-            if slow != rendered:
-                raise _FastPathMismatch(f"line {ex['line']}")
-
-
-def _template_text(tokenizer, messages, fmt, *, add_generation_prompt, thinking):
-    """The chat template's text for messages, with _apply_template's settings (untokenized)."""
-    kwargs = dict(fmt["template_kwargs"])
-    frozen = kwargs.pop("strftime_now", None)
-    kwargs["enable_thinking"] = kwargs["thinking"] = thinking
-    with _frozen_clock(frozen):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **kwargs)
-
-
-def _parts(text, offset):
-    """A rendered skeleton as [literal, (field, k), literal, ...]: field 0 content, 1 reasoning_content."""
-    out, last = [], 0
-    for m in _SENTINEL_RE.finditer(text):
-        out.append(text[last:m.start()])
-        out.append((0, int(m.group(1)) - offset) if m.group(1) else (1, int(m.group(2)) - offset))
-        last = m.end()
-    out.append(text[last:])
-    return out
-
-
-def _fill(parts, values) -> str:
-    return "".join([p if p.__class__ is str else values[p[1]][p[0]] for p in parts])
-
-
-def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
-    """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
-    special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
-    h = hashlib.sha256()
-    h.update(json.dumps([examples, fmt, train_on], sort_keys=True, default=str).encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
-    with contextlib.suppress(OSError, TypeError):  # the code that renders and masks, as it runs now
-        h.update("".join(inspect.getsource(f) for f in (render_example, _render_chat_turn, _apply_template,
-                                                         generation_prompt, _merge_extensions, BatchRenderer,
-                                                         _template_text, _write_render_cache)).encode())
-    return h.hexdigest()[:32]
-
-
-def _read_render_cache(path):
-    try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-        return _unpack(rows)
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def _write_render_cache(path, rendered) -> None:
-    """Atomic, and never fatal: a read-only or full disk only costs the next run a render. Rows are
-    [line, tokens, weight runs] (the runs keep a 200k-conversation set at a third of its size)."""
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([[line, r.tokens, _runs(r.weights)] for line, r in rendered]), encoding="utf-8")
-        os.replace(tmp, path)
-
-
-def apply_length_limit(rendered, limit, mode):
-    """(kept, dropped lines) of [(line, Rendered)]. mode: 'error' | 'drop' | 'truncate'."""
-    if not limit:
-        return rendered, []
-    long = [(line, r) for line, r in rendered if len(r.tokens) > limit]
-    if not long:
-        return rendered, []
-    if mode == "error":
-        shown = ", ".join(f"line {line} ({len(r.tokens)} tokens)" for line, r in long[:10])
-        more = f" and {len(long) - 10} more" if len(long) > 10 else ""
-        raise DataError(
-            f"{len(long)} datum(s) exceed the {limit}-token limit: {shown}{more}; shorten them, "
-            "or pass --drop-long or --truncate")
-    kept, dropped = [], []
-    for line, r in rendered:
-        if len(r.tokens) <= limit:
-            kept.append((line, r))
-        elif mode == "truncate" and sum(r.weights[1:limit]) > 0:
-            kept.append((line, Rendered(r.tokens[:limit], r.weights[:limit])))
-        else:  # dropped, or truncation would leave nothing to train
-            dropped.append(line)
-    return kept, dropped
 
 
 # ---- common/run_record.py ----
@@ -1730,118 +1246,6 @@ def cookbook_config_fields(config: dict) -> dict:
             "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
-# ---- common/training.py ----
-# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
-import math
-import random
-
-
-# The cookbook's Adam values; the SDK's default eps is 1e-12.
-ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
-PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
-
-# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
-HIDDEN_SIZES = {
-    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
-    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
-    "meta-llama/Llama-3.3-70B-Instruct": 8192,
-    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
-    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
-    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
-    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
-    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
-}
-
-
-def recommended_learning_rate(model_name):
-    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
-    None when the family is not calibrated or the hidden size is unknown."""
-    name = model_name.split(":", 1)[0]
-    hidden = HIDDEN_SIZES.get(name)
-    lowered = name.lower()
-    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
-    if hidden is None or power is None:
-        return None
-    return 5e-5 * 10 * (2000 / hidden) ** power
-
-
-def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
-    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
-    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(total_steps - warmup_steps, 1)
-    progress = (step - warmup_steps) / span
-    if schedule == "linear":
-        return 1 - progress
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0
-
-
-def plan_steps(n_train, batch_size, epochs, max_steps):
-    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
-    same size; a data set smaller than one batch is one batch."""
-    per_epoch = max(n_train // batch_size, 1)
-    total = per_epoch * epochs
-    return per_epoch, min(total, max_steps) if max_steps else total
-
-
-class BatchOrder:
-    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
-    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
-    batches an uninterrupted one would."""
-
-    def __init__(self, n_train, batch_size, per_epoch, seed):
-        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
-        self._epoch, self._order = None, None
-
-    def __call__(self, step) -> list[int]:
-        epoch, index = divmod(step, self.per_epoch)
-        if epoch != self._epoch:
-            self._order = list(range(self.n))
-            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
-            self._epoch = epoch
-        return self._order[index * self.size:(index + 1) * self.size]
-
-
-def trained_mask(r) -> list[float]:
-    """1.0 on each target position the loss trains (after the shift by one), else 0.0."""
-    return [1.0 if w else 0.0 for w in r.weights[1:]]
-
-
-def training_datums(rendered) -> list:
-    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss (the
-    cookbook default since its issue 271: long answers do not dominate a batch)."""
-    datums = []
-    for r in rendered:
-        n = sum(1 for w in r.weights[1:] if w) or 1
-        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
-    return datums
-
-
-def batch_nll(result, masks) -> float:
-    """NLL per trained token of a forward(_backward) result, from the per-datum target logprobs."""
-    total = count = 0.0
-    for out, mask in zip(result.loss_fn_outputs, masks):
-        logprobs = out["logprobs"].tolist()
-        total -= sum(lp * m for lp, m in zip(logprobs, mask))
-        count += sum(mask)
-    return total / max(count, 1.0)
-
-
-def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
-    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
-    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
-    if resume_from:
-        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
-        say(f"resumed from {resume_from['state_path']} at {position}")
-        return tc
-    if init_from:
-        return service.create_training_client_from_state(init_from).result()
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-
-
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
@@ -1950,22 +1354,6 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     return tinker.ServiceClient(), model.max_context_length
 
 
-def check_tinker_path(path, need):
-    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
-    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
-        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
-    if parts[1] != need:
-        if need == "weights":
-            raise DataError(
-                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
-                "path saved by save_state (state_path in checkpoints.jsonl)")
-        raise DataError(
-            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
-            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
-    return path
-
-
 def load_pricing():
     """tinker_pricing from beside this script, or None (then no dollar estimate)."""
     here = str(Path(__file__).resolve().parent)
@@ -1994,15 +1382,6 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
         if max_usd is not None:
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
-        return None
-
-
-def catalogue_context(model_name):
-    """The model's context window from the price catalogue (for --dry-run), or None."""
-    pricing = load_pricing()
-    try:
-        return pricing.resolve_model(model_name).get("context") if pricing else None
-    except Exception:
         return None
 
 
@@ -2101,17 +1480,31 @@ class CostMeter:
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
 
 
+# ---- common/training.py ----
+# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
+# The cookbook's Adam values; the SDK's default eps is 1e-12.
+ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
+
+
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    if resume_from:
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resumed from {resume_from['state_path']} at {position}")
+        return tc
+    if init_from:
+        return service.create_training_client_from_state(init_from).result()
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
+
+
 # ---- common/onpolicy.py ----
 # Sampling-based training shared by tinker_rl.py and tinker_distill.py: bounded, retried requests, the
 # importance-sampling datum, the sampler/learner KL, the train step, the training client restored or
 # created, and checkpoint saves.
 import asyncio
 import random
-
-
-# 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
-# hosted Tinker answers 429 under load, and the SDK alone allows 1,000 per client (RetryConfig).
-MAX_IN_FLIGHT = 64
 SAMPLE_RETRIES, RETRY_BASE_S, RETRY_MAX_S = 6, 0.5, 30.0
 
 
@@ -2623,7 +2016,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 ed02aee8aecb) ====
+# ==== END SHARED CODE (sha256 c3c153b41e60) ====
 
 
 if __name__ == "__main__":

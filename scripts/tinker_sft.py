@@ -657,9 +657,10 @@ REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assist
 ]]
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, training, service) ====
+# ==== SHARED CODE (generated from common/: errors, data, flags, render, run_record, service, training) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
-# tests/test_shared_code.py fails when this copy differs from its source.
+# tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
+# above uses (directly or through each other) are copied.
 
 
 # ---- common/errors.py ----
@@ -744,65 +745,6 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     if error_json:
         emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
     return code
-
-
-# ---- common/flags.py ----
-# Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
-import math
-import os
-from pathlib import Path
-
-
-def flag_name(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
-
-
-def check_number(dest: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
-    """DataError unless value is a finite number within [low, high] (open ends where asked); None passes."""
-    if value is None:
-        return
-    name = flag_name(dest)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DataError(f"{name} {value!r}: expected a finite number")
-    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
-              f"{'inf' if high is None else high}{')' if high_open else ']'}")
-    too_low = low is not None and (value <= low if low_open else value < low)
-    too_high = high is not None and (value >= high if high_open else value > high)
-    if too_low or too_high:
-        raise DataError(f"{name} {value}: expected a value in {bounds}")
-
-
-def check_numbers(args, rules: dict) -> None:
-    """rules: {dest: dict(low=..., high=..., low_open=..., high_open=...)} checked against args.dest."""
-    for dest, bounds in rules.items():
-        check_number(dest, getattr(args, dest, None), **bounds)
-
-
-def check_readable_file(path, what: str) -> Path:
-    """An existing, readable file, or DataError naming the flag and the file."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"{what} {path}: no such file")
-    if p.is_dir():
-        raise DataError(f"{what} {path} is a folder; expected a file")
-    if not os.access(p, os.R_OK):
-        raise DataError(f"{what} {path} is not readable (permissions)")
-    return p
-
-
-def check_writable_dir(path, what: str) -> Path:
-    """A folder that exists and is writable, or can be created under a writable parent."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise DataError(f"{what} {path} is a file; expected a folder (choose another {what})")
-    probe = p
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise DataError(f"{what} {path}: {probe} is a file, so the folder cannot be created")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
-    return p
 
 
 # ---- common/data.py ----
@@ -935,6 +877,53 @@ def split_examples(train, test, fraction, seed):
     random.Random(seed).shuffle(order)
     held = set(order[:max(1, round(fraction * len(train)))])
     return [e for i, e in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+# ---- common/flags.py ----
+# Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
+import math
+import os
+from pathlib import Path
+
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_number(dest: str, value, *, low=None, high=None, low_open=False, high_open=False) -> None:
+    """DataError unless value is a finite number within [low, high] (open ends where asked); None passes."""
+    if value is None:
+        return
+    name = flag_name(dest)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{name} {value!r}: expected a finite number")
+    bounds = (f"{'(' if low_open else '['}{'-inf' if low is None else low}, "
+              f"{'inf' if high is None else high}{')' if high_open else ']'}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        raise DataError(f"{name} {value}: expected a value in {bounds}")
+
+
+def check_numbers(args, rules: dict) -> None:
+    """rules: {dest: dict(low=..., high=..., low_open=..., high_open=...)} checked against args.dest."""
+    for dest, bounds in rules.items():
+        check_number(dest, getattr(args, dest, None), **bounds)
+
+
+def check_writable_dir(path, what: str) -> Path:
+    """A folder that exists and is writable, or can be created under a writable parent."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise DataError(f"{what} {path} is a file; expected a folder (choose another {what})")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise DataError(f"{what} {path}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
+    return p
 
 
 # ---- common/render.py ----
@@ -1884,118 +1873,6 @@ def cookbook_config_fields(config: dict) -> dict:
             "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
-# ---- common/training.py ----
-# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
-import math
-import random
-
-
-# The cookbook's Adam values; the SDK's default eps is 1e-12.
-ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
-PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
-
-# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
-HIDDEN_SIZES = {
-    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
-    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
-    "meta-llama/Llama-3.3-70B-Instruct": 8192,
-    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
-    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
-    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
-    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
-    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
-}
-
-
-def recommended_learning_rate(model_name):
-    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
-    None when the family is not calibrated or the hidden size is unknown."""
-    name = model_name.split(":", 1)[0]
-    hidden = HIDDEN_SIZES.get(name)
-    lowered = name.lower()
-    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
-    if hidden is None or power is None:
-        return None
-    return 5e-5 * 10 * (2000 / hidden) ** power
-
-
-def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
-    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
-    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    span = max(total_steps - warmup_steps, 1)
-    progress = (step - warmup_steps) / span
-    if schedule == "linear":
-        return 1 - progress
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0
-
-
-def plan_steps(n_train, batch_size, epochs, max_steps):
-    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
-    same size; a data set smaller than one batch is one batch."""
-    per_epoch = max(n_train // batch_size, 1)
-    total = per_epoch * epochs
-    return per_epoch, min(total, max_steps) if max_steps else total
-
-
-class BatchOrder:
-    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
-    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
-    batches an uninterrupted one would."""
-
-    def __init__(self, n_train, batch_size, per_epoch, seed):
-        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
-        self._epoch, self._order = None, None
-
-    def __call__(self, step) -> list[int]:
-        epoch, index = divmod(step, self.per_epoch)
-        if epoch != self._epoch:
-            self._order = list(range(self.n))
-            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
-            self._epoch = epoch
-        return self._order[index * self.size:(index + 1) * self.size]
-
-
-def trained_mask(r) -> list[float]:
-    """1.0 on each target position the loss trains (after the shift by one), else 0.0."""
-    return [1.0 if w else 0.0 for w in r.weights[1:]]
-
-
-def training_datums(rendered) -> list:
-    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss (the
-    cookbook default since its issue 271: long answers do not dominate a batch)."""
-    datums = []
-    for r in rendered:
-        n = sum(1 for w in r.weights[1:] if w) or 1
-        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
-    return datums
-
-
-def batch_nll(result, masks) -> float:
-    """NLL per trained token of a forward(_backward) result, from the per-datum target logprobs."""
-    total = count = 0.0
-    for out, mask in zip(result.loss_fn_outputs, masks):
-        logprobs = out["logprobs"].tolist()
-        total -= sum(lp * m for lp, m in zip(logprobs, mask))
-        count += sum(mask)
-    return total / max(count, 1.0)
-
-
-def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
-    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
-    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
-    if resume_from:
-        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
-        say(f"resumed from {resume_from['state_path']} at {position}")
-        return tc
-    if init_from:
-        return service.create_training_client_from_state(init_from).result()
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-
-
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
@@ -2168,37 +2045,6 @@ def estimate_total(est):
     return est if isinstance(est, (int, float)) and not isinstance(est, bool) else None
 
 
-def sample_call_tokens(prompt_len, num_samples, sampled, cached_prefix=0) -> dict:
-    """What one sample call meters, as tinker_pricing.sample_tokens / rl_tokens count it: the prompt is
-    prefilled once (minus a prefix the server saw before, `cached_prefix`), the other num_samples - 1
-    copies are cache hits, and every generated token is sampled (`sampled`: their total)."""
-    return {"prefill": prompt_len - cached_prefix, "cached_prefill": cached_prefix + (num_samples - 1) * prompt_len,
-            "sample": sampled}
-
-
-def rollout_tokens(groups) -> dict:
-    """Sampling tokens of RL groups (objects with .episodes, each with .turns of .observation and .action
-    token lists): one call of G for a group's first turn, then one call per later turn whose prompt is a
-    cache hit up to what the server last saw of that episode (its previous prompt + sampled action), the
-    rest (the new observation) prefilled, as tinker_pricing.rl_tokens assumes."""
-    total = {"prefill": 0, "cached_prefill": 0, "sample": 0}
-    for group in groups:
-        if not group.episodes:
-            continue
-        calls = [sample_call_tokens(len(group.episodes[0].turns[0].observation), len(group.episodes),
-                                    sum(len(e.turns[0].action) for e in group.episodes))]
-        for episode in group.episodes:
-            for prev, turn in zip(episode.turns, episode.turns[1:]):
-                seen = list(prev.observation) + list(prev.action)
-                shared = next((i for i, (a, b) in enumerate(zip(seen, turn.observation)) if a != b),
-                              min(len(seen), len(turn.observation)))
-                calls.append(sample_call_tokens(len(turn.observation), 1, len(turn.action), shared))
-        for call in calls:
-            for kind, count in call.items():
-                total[kind] += count
-    return total
-
-
 class CostMeter:
     """Dollars of the tokens a run actually sends, for its metrics rows (cost/step_usd, cost/cumulative_usd).
 
@@ -2253,7 +2099,119 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 ced84eea7adc) ====
+
+
+# ---- common/training.py ----
+# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
+import math
+import random
+
+
+# The cookbook's Adam values; the SDK's default eps is 1e-12.
+ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
+
+# Hidden sizes of the lineup models the cookbook's LR formula is calibrated for (hyperparam_utils).
+HIDDEN_SIZES = {
+    "meta-llama/Llama-3.2-1B": 2048, "meta-llama/Llama-3.2-3B": 3072, "meta-llama/Llama-3.1-8B": 4096,
+    "meta-llama/Llama-3.1-8B-Instruct": 4096, "meta-llama/Llama-3.1-70B": 8192,
+    "meta-llama/Llama-3.3-70B-Instruct": 8192,
+    "Qwen/Qwen3-8B": 4096, "Qwen/Qwen3-8B-Base": 4096, "Qwen/Qwen3-32B": 5120,
+    "Qwen/Qwen3-30B-A3B": 2048, "Qwen/Qwen3-30B-A3B-Base": 2048, "Qwen/Qwen3-30B-A3B-Instruct-2507": 2048,
+    "Qwen/Qwen3-4B-Instruct-2507": 2560, "Qwen/Qwen3-235B-A22B-Instruct-2507": 4096,
+    "Qwen/Qwen3.5-4B": 2560, "Qwen/Qwen3.5-9B": 4096, "Qwen/Qwen3.5-9B-Base": 4096,
+    "Qwen/Qwen3.5-27B": 5120, "Qwen/Qwen3.5-35B-A3B": 2048, "Qwen/Qwen3.5-35B-A3B-Base": 2048,
+}
+
+
+def recommended_learning_rate(model_name):
+    """The cookbook's LoRA LR: 5e-5 * 10 * (2000 / hidden) ** P, P = 0.781 (Llama) or 0.0775 (Qwen).
+    None when the family is not calibrated or the hidden size is unknown."""
+    name = model_name.split(":", 1)[0]
+    hidden = HIDDEN_SIZES.get(name)
+    lowered = name.lower()
+    power = 0.781 if "llama" in lowered else 0.0775 if "qwen" in lowered else None
+    if hidden is None or power is None:
+        return None
+    return 5e-5 * 10 * (2000 / hidden) ** power
+
+
+def lr_multiplier(step, total_steps, schedule, warmup_steps=0):
+    """Multiplier for the 0-based step: linear warmup over warmup_steps, then the cookbook schedules
+    (linear 1 - p, cosine 0.5 (1 + cos pi p), constant 1) over the remaining steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(total_steps - warmup_steps, 1)
+    progress = (step - warmup_steps) / span
+    if schedule == "linear":
+        return 1 - progress
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0
+
+
+def plan_steps(n_train, batch_size, epochs, max_steps):
+    """(batches per epoch, total steps). A final partial batch is dropped so every step has the
+    same size; a data set smaller than one batch is one batch."""
+    per_epoch = max(n_train // batch_size, 1)
+    total = per_epoch * epochs
+    return per_epoch, min(total, max_steps) if max_steps else total
+
+
+class BatchOrder:
+    """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
+    epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
+    batches an uninterrupted one would."""
+
+    def __init__(self, n_train, batch_size, per_epoch, seed):
+        self.n, self.size, self.per_epoch, self.seed = n_train, min(batch_size, n_train), per_epoch, seed
+        self._epoch, self._order = None, None
+
+    def __call__(self, step) -> list[int]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._order = list(range(self.n))
+            random.Random(f"{self.seed}:{epoch}").shuffle(self._order)
+            self._epoch = epoch
+        return self._order[index * self.size:(index + 1) * self.size]
+
+
+def trained_mask(r) -> list[float]:
+    """1.0 on each target position the loss trains (after the shift by one), else 0.0."""
+    return [1.0 if w else 0.0 for w in r.weights[1:]]
+
+
+def training_datums(rendered) -> list:
+    """Datums with weights 1/(trained tokens): each datum contributes its mean NLL to the loss (the
+    cookbook default since its issue 271: long answers do not dominate a batch)."""
+    datums = []
+    for r in rendered:
+        n = sum(1 for w in r.weights[1:] if w) or 1
+        datums.append(to_datum(Rendered(r.tokens, [w / n for w in r.weights])))
+    return datums
+
+
+def batch_nll(result, masks) -> float:
+    """NLL per trained token of a forward(_backward) result, from the per-datum target logprobs."""
+    total = count = 0.0
+    for out, mask in zip(result.loss_fn_outputs, masks):
+        logprobs = out["logprobs"].tolist()
+        total -= sum(lp * m for lp, m in zip(logprobs, mask))
+        count += sum(mask)
+    return total / max(count, 1.0)
+
+
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+    """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    if resume_from:
+        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        say(f"resumed from {resume_from['state_path']} at {position}")
+        return tc
+    if init_from:
+        return service.create_training_client_from_state(init_from).result()
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
+# ==== END SHARED CODE (sha256 d0729f9736ba) ====
 
 
 if __name__ == "__main__":

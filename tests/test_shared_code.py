@@ -1,6 +1,12 @@
-"""The shared rules have one source (common/) and every script carries an exact generated copy."""
+"""The shared rules have one source (common/); every script carries an exact generated copy of exactly what its
+hand-written part uses (nothing unreachable, nothing missing), and still runs when copied alone."""
 import ast
+import builtins
+import json
+import os
+import shutil
 import subprocess
+import symtable
 import sys
 from pathlib import Path
 
@@ -11,6 +17,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import splice  # noqa: E402
 
 MODULES = sorted(p.stem for p in (ROOT / "common").glob("*.py"))
+SPLICED = [p.name for p in splice.targets()]
 
 
 def test_every_script_region_is_exactly_what_common_generates():
@@ -20,24 +27,33 @@ def test_every_script_region_is_exactly_what_common_generates():
 
 
 def test_the_copy_and_edit_scripts_carry_a_shared_region():
-    names = {p.name for p in splice.targets()}
-    assert {"tinker_sft.py", "tinker_rl.py"} <= names, names
+    assert {"tinker_sft.py", "tinker_rl.py", "tinker_dpo.py", "tinker_distill.py", "tinker_infer.py"} <= set(SPLICED)
 
 
-def test_a_hand_edit_inside_a_region_is_detected(tmp_path):
-    script = tmp_path / "x.py"
-    text = "import sys\n\n" + splice.region(["errors"]) + "\n"
-    script.write_text(text)
+def test_a_hand_edit_inside_a_region_is_detected():
+    hand = "import sys\n\n\ndef main(argv=None):\n    raise DataError('x')\n\n\n"
+    text = hand + splice.region_for(hand) + "\n"
     assert splice.spliced(text) == text
     edited = text.replace("exit_code = EXIT_BAD_INPUT", "exit_code = 5")
-    assert splice.spliced(edited) != edited
+    assert edited != text and splice.spliced(edited) != edited
+
+
+def test_a_new_use_in_the_hand_written_part_is_stale_until_spliced():
+    """The region follows the hand-written part: calling one more shared function makes --check fail."""
+    hand = "def main(argv=None):\n    raise DataError('x')\n\n\n"
+    text = hand + splice.region_for(hand) + "\n"
+    assert "def read_jsonl" not in text
+    grown = text.replace("raise DataError('x')", "return read_jsonl(argv)")
+    assert splice.spliced(grown) != grown
+    assert "def read_jsonl" in splice.spliced(grown) and "def load_tokenizer" not in splice.spliced(grown)
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_a_generated_module_compiles_without_its_dropped_imports(name):
-    ast.parse(splice.module_text(name))
-    assert "# splice: drop" not in splice.module_text(name)
-    assert "from __future__" not in splice.module_text(name)
+def test_a_whole_generated_module_compiles_without_its_dropped_imports(name):
+    mod = splice.load_module(name)
+    text = splice.module_section(mod, [u.index for u in mod.units], set().union(*(u.binds for u in mod.units)))
+    ast.parse(text)
+    assert splice.DROP not in text and "from __future__" not in text
 
 
 def test_no_script_imports_the_shared_source():
@@ -58,3 +74,256 @@ def test_the_region_sits_before_the_main_guard():
         start, end, _ = splice.find_region(text)
         guard = text.find('if __name__ == "__main__":')
         assert guard > end, f"{path.name}: the generated region must end before the __main__ guard"
+
+
+# ---------------------------------------------------------------------------------------------
+# the copy holds exactly what the script needs, read from the assembled file itself
+
+
+def script_units(path):
+    """(hand-written units, region units) of a script, each unit a top-level statement of the whole file."""
+    text = path.read_text()
+    start, end, _ = splice.find_region(text)
+    first, last = text[:start].count("\n") + 1, text[:end].count("\n") + 1
+    units = splice.units_of(text)
+    inside = [u for u in units if first <= u.node.lineno <= last]
+    return [u for u in units if u not in inside], inside
+
+
+@pytest.mark.parametrize("script", SPLICED)
+def test_no_spliced_definition_is_unreachable_from_the_hand_written_part(script):
+    """Follow names through the assembled file as Python would run it (one namespace): from every hand-written
+    statement, through function bodies, decorators, defaults, class bases and bodies, constants and names given
+    as strings, every statement of the generated region is reached."""
+    hand, region = script_units(ROOT / "scripts" / script)
+    binders = {}
+    for u in hand + region:
+        for name in u.binds:
+            binders.setdefault(name, []).append(u)
+    reached, queue = set(), list(hand)
+    while queue:
+        u = queue.pop()
+        names = u.uses | {s for s in u.strings if any(not b.is_import for b in binders.get(s, []))}
+        for name in names:
+            for target in binders.get(name, []):
+                if id(target) not in reached:
+                    reached.add(id(target))
+                    queue.append(target)
+    unreachable = [f"line {u.node.lineno}: {splice.unit_label(u)}" for u in region if id(u) not in reached]
+    assert unreachable == [], f"{script}: spliced but never used: {unreachable}"
+
+
+def module_level_names(path):
+    """(names bound at module level, names looked up at module level by any scope) of a whole file."""
+    table = symtable.symtable(path.read_text(), str(path), "exec")
+    bound = {s.get_name() for s in table.get_symbols() if s.is_local() or s.is_imported()}
+    used = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
+
+    def walk(t):
+        for s in t.get_symbols():
+            if s.is_referenced() and s.is_global():
+                used.add(s.get_name())
+        for child in t.get_children():
+            walk(child)
+
+    for child in table.get_children():
+        walk(child)
+    return bound, used
+
+
+@pytest.mark.parametrize("script", SPLICED)
+def test_every_name_a_script_looks_up_is_defined_in_it(script):
+    """Nothing is missing from the copy: every global name any function of the file reads is bound in the file
+    or is a builtin (a path --help and --dry-run never take is covered too)."""
+    bound, used = module_level_names(ROOT / "scripts" / script)
+    missing = sorted(used - bound - set(dir(builtins)) - {"__file__", "__name__", "__doc__"})
+    assert missing == [], f"{script} looks up names nothing defines: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the closure on a made-up common/: every indirect way a name is used
+
+
+FAKE_COMMON = {
+    "errors": '''"""Errors."""
+from __future__ import annotations
+
+import json
+import sys
+
+CODE = 2  # used only as a class attribute's value
+
+
+class Base(Exception):
+    code = CODE
+
+
+class Child(Base):
+    """used only as another class's base"""
+
+
+class Unused(Exception):
+    pass
+
+
+def say(*parts):
+    print(*parts, file=sys.stderr)
+
+
+def dumps(obj):
+    return json.dumps(obj)
+''',
+    "helpers": '''"""Helpers."""
+import functools
+import os
+
+from errors import Child, say  # splice: drop
+
+LIMIT = 3  # used only as a default argument
+LOOKUP = "by_name"  # a string naming a function, looked up with globals()
+
+
+def traced(fn):  # used only as a decorator
+    @functools.wraps(fn)
+    def inner(*a):
+        say(fn.__name__)
+        return fn(*a)
+    return inner
+
+
+def by_name():  # reached only through the string in LOOKUP
+    return os.sep
+
+
+def deep():  # used only inside another spliced function
+    raise Child("x")
+
+
+@traced
+def entry(n=LIMIT):
+    if n < 0:
+        deep()
+    return globals()[LOOKUP]()
+
+
+class Error2(Child):  # a class whose base comes from another module
+    pass
+
+
+def never_called():
+    return LIMIT
+''',
+}
+
+
+@pytest.fixture
+def fake_common(tmp_path, monkeypatch):
+    for name, text in FAKE_COMMON.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.setattr(splice, "COMMON", tmp_path)
+    return tmp_path
+
+
+def copied(hand):
+    mods = splice.common_modules()
+    return {f"{m}:{splice.unit_label(mods[m].units[i])}" for m, i in splice.closure(hand, mods)}
+
+
+def test_the_closure_follows_decorators_defaults_bases_constants_strings_and_nested_uses(fake_common):
+    assert copied("def main():\n    return entry()\n") == {
+        "helpers:entry", "helpers:traced", "helpers:functools", "helpers:LIMIT", "helpers:LOOKUP",
+        "helpers:by_name", "helpers:os", "helpers:deep",
+        "errors:Child", "errors:Base", "errors:CODE", "errors:say", "errors:sys"}
+
+
+def test_a_class_whose_base_lives_in_another_module_brings_the_base(fake_common):
+    assert copied("def f():\n    raise Error2()\n") == {"helpers:Error2", "errors:Child", "errors:Base",
+                                                         "errors:CODE"}
+
+
+def test_a_module_the_shared_code_imports_serves_the_hand_written_part_too(fake_common):
+    """A script that calls json.dumps without importing json gets the shared code's import of it."""
+    assert copied("def f():\n    return json.dumps(1)\n") == {"errors:json"}
+
+
+def test_a_name_the_script_defines_itself_is_not_copied(fake_common):
+    assert copied("def say(x):\n    pass\n\n\ndef f():\n    say(1)\n") == set()
+
+
+def test_a_script_defining_a_name_the_copy_also_needs_is_refused(fake_common):
+    with pytest.raises(splice.SpliceError, match="defines say, which the copied shared code also defines"):
+        copied("def say(x):\n    pass\n\n\ndef f():\n    return entry()\n")
+
+
+def test_the_region_of_the_made_up_modules_runs(fake_common, capsys):
+    hand = "import sys\n\n\ndef main():\n    return entry()\n"
+    text = hand + splice.region_for(hand) + "\n"
+    assert "never_called" not in text and "class Unused" not in text
+    namespace = {"__name__": "copied"}
+    exec(compile(text, "copied.py", "exec"), namespace)
+    assert namespace["main"]() == os.sep and capsys.readouterr().err == "entry\n"
+    assert namespace["Child"].code == 2 and "Error2" not in namespace
+
+
+# ---------------------------------------------------------------------------------------------
+# each spliced script, copied alone into an empty folder, still runs (with and without tinker_pricing.py)
+
+
+PAIRS = ROOT / "templates" / "dpo_example.jsonl"
+
+
+def dry_runs(tok):
+    """script -> (help must mention, [argv of an offline run], JSON status it prints)."""
+    return {
+        "tinker_sft.py": ("--rehearse", ["--dry-run", "--tokenizer", tok], "dry_run"),
+        "tinker_rl.py": ("--max-in-flight", ["--dry-run", "--tokenizer", tok], "dry_run"),
+        "tinker_dpo.py": ("--dpo-beta", ["--dry-run", "--data", "pairs.jsonl", "--tokenizer", tok], "dry_run"),
+        "tinker_distill.py": ("--teacher", ["--dry-run", "--tokenizer", tok, "--teacher", "Qwen/Qwen3-8B",
+                                            "--teacher-tokenizer", tok], "dry_run"),
+        # no dry run: resolving a run record's checkpoint reads the record offline, no Tinker call
+        "tinker_infer.py": ("checkpoints", ["checkpoints", "resolve", "runs/sft", "--kind", "sampler"], None),
+    }
+
+
+def write_finished_run(folder):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B"}))
+    (folder / "checkpoints.jsonl").write_text(json.dumps(
+        {"name": "final", "step": 4, "next_batch": 4, "epoch": 0, "state_path": "tinker://r/weights/final",
+         "sampler_path": "tinker://r/sampler_weights/final", "format": None, "time": "2026-12-01T00:00:00+00:00"})
+        + "\n")
+
+
+@pytest.mark.parametrize("with_pricing", [False, True], ids=["alone", "with-pricing"])
+@pytest.mark.parametrize("script", SPLICED)
+def test_a_script_copied_into_an_empty_folder_runs_help_and_its_dry_run(script, with_pricing, tmp_path,
+                                                                        offline_tokenizer):
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(ROOT / "scripts" / script, project / script)
+    if with_pricing:
+        shutil.copy(ROOT / "scripts" / "tinker_pricing.py", project / "tinker_pricing.py")
+    must_mention, argv, status = dry_runs(offline_tokenizer("Qwen3-8B"))[script]
+    shutil.copy(PAIRS, project / "pairs.jsonl")
+    write_finished_run(project / "runs" / "sft")
+    # nothing from this repository on the path: no PYTHONPATH, the folder itself is the script's only neighbour
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
+           "TINKER_TELEMETRY": "0"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, script, *args], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and must_mention in helped.stdout, helped.stderr[-2000:]
+    out = run(*argv)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if status is None:  # tinker_infer.py checkpoints resolve: the run's final sampler path
+        assert "tinker://r/sampler_weights/final" in out.stdout
+        return
+    assert result["status"] == status
+    unpriced = "no dollar estimate: tinker_pricing.py is not beside this script" in out.stderr
+    assert unpriced is not with_pricing, out.stderr[-2000:]
+    cost = result.get("cost", result.get("estimate_usd"))
+    assert (cost is not None) is with_pricing, result
