@@ -5,7 +5,7 @@
 #     "plotly>=6",
 # ]
 # ///
-"""One self-contained HTML page of a Tinker run folder (SFT or RL): curves, cost, checkpoints, rollouts.
+"""One self-contained HTML page of a Tinker run (SFT, RL, DPO or distillation): curves, cost, checkpoints, samples.
 
 Run:
     # the report of a finished run (or of one still running: torn last lines and missing files are fine)
@@ -14,18 +14,27 @@ Run:
     uv run tinker_report.py runs/rl1 --out rl1.html --watch 30
 
 Edit:
-    Nothing for the common case. figures(run) decides which charts exist; each is a plotly figure
-    built from the rows as logged (no smoothing, no resampling), so a chart shows exactly the numbers
-    in the record.
+    Nothing for the common case. figures(run) decides which charts exist (one function per run kind);
+    each is a plotly figure built from the rows as logged (no smoothing, no resampling), so a chart shows
+    exactly the numbers in the record; each y axis is fitted to the values drawn on it.
 
 Outputs:
     RUN_DIR/report.html   (or --out FILE) one file, plotly.js embedded: opens offline, no server
-                          SFT: train loss, held-out NLL, learning rate; RL: reward mean +- std, min/max,
-                          fraction of tied groups, KL sample-vs-train; both: cost so far vs estimate
-                          when the record has them, checkpoints table, settings, rollout browser
-                          (rollouts.jsonl: prompt, completion, reward, advantage, trained/masked tokens)
-    stdout                one JSON object: status, report (the file written), kind (sft|rl), rows
-                          {config, metrics, eval, checkpoints, rollouts}, skipped_lines, in_progress
+                          SFT (tinker_sft.py): train loss, held-out NLL, learning rate, greedy probes
+                            before/after;
+                          RL (tinker_rl.py): reward mean +- std, min/max, fraction of tied groups,
+                            KL sample-vs-train, rollout browser (rollouts.jsonl: prompt, completion,
+                            reward, advantage, trained/masked tokens);
+                          DPO (tinker_dpo.py): preference accuracy, margin, chosen and rejected reward,
+                            implicit KL, loss, learning rate;
+                          distillation (tinker_distill.py): reverse KL to the teacher, teacher and
+                            student logprob, KL sample-vs-train, learning rate;
+                          every kind: cost so far vs estimate when the record has them, checkpoints
+                          table, settings. The learning rate is drawn on a log axis; whitespace and
+                          control characters in samples show as markers (newline, space, tab), the raw
+                          text on hover.
+    stdout                one JSON object: status, report (the file written), kind (sft|rl|dpo|distill),
+                          rows {config, metrics, eval, checkpoints, rollouts}, skipped_lines, in_progress
 
 Requires:
     plotly (nothing else: no Tinker call, no tokenizer, no network). Reads only RUN_DIR.
@@ -43,12 +52,17 @@ import math
 import os
 import sys
 import time
+import unicodedata
 from datetime import datetime, timezone
 from pathlib import Path
 
 RECORD_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "checkpoints.jsonl", "rollouts.jsonl")
 # The rollout browser keeps the most recent rollouts; the page stays light enough to open anywhere.
 MAX_ROLLOUTS = 400
+# Run kinds: the script that writes each, and the page title.
+KINDS = {"sft": ("tinker_sft.py", "SFT"), "rl": ("tinker_rl.py", "RL"), "dpo": ("tinker_dpo.py", "DPO"),
+         "distill": ("tinker_distill.py", "Distillation")}
+WRITERS = "tinker_sft.py, tinker_rl.py, tinker_dpo.py or tinker_distill.py"
 
 
 class ReportError(Exception):
@@ -60,8 +74,11 @@ class WriteError(ReportError):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Write one self-contained HTML report of a Tinker run folder.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the --log-path of tinker_sft.py or tinker_rl.py")
+    p = argparse.ArgumentParser(
+        description="Write one self-contained HTML report of a Tinker run folder of any kind: SFT (tinker_sft.py), "
+                    "RL (tinker_rl.py), DPO (tinker_dpo.py) or distillation (tinker_distill.py); the kind is read "
+                    "from the record.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help=f"the --log-path of {WRITERS}")
     p.add_argument("--out", default=None, help="HTML file to write (default RUN_DIR/report.html)")
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                    help="rewrite the report every SECONDS until interrupted (the page reloads itself)")
@@ -72,8 +89,8 @@ def main(argv=None):
     args = parse_args(argv)
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        raise ReportError(f"{run_dir} is not a folder; expected a run folder (the --log-path of tinker_sft.py or "
-                          f"tinker_rl.py); try: python tinker_report.py runs/sft1")
+        raise ReportError(f"{run_dir} is not a folder; expected a run folder (the --log-path of {WRITERS}); "
+                          "try: python tinker_report.py runs/sft1")
     if not any((run_dir / name).exists() for name in RECORD_FILES):
         raise ReportError(f"{run_dir} holds no run record (none of {', '.join(RECORD_FILES)}); pass the "
                           "--log-path of a run, e.g. python tinker_report.py runs/sft1")
@@ -144,13 +161,35 @@ def read_run(run_dir):
         config = {}
     metrics = read_rows(run_dir / "metrics.jsonl", skipped)
     checkpoints = read_rows(run_dir / "checkpoints.jsonl", skipped)
-    kind = "rl" if ("group_size" in config or any("iteration" in r or "reward_mean" in r for r in metrics)) else "sft"
+    config = config if isinstance(config, dict) else {}
     return {
-        "dir": run_dir, "kind": kind, "config": config if isinstance(config, dict) else {},
+        "dir": run_dir, "kind": run_kind(config, metrics), "config": config,
         "metrics": metrics, "eval": read_rows(run_dir / "eval.jsonl", skipped), "checkpoints": checkpoints,
         "rollouts": read_rows(run_dir / "rollouts.jsonl", skipped), "skipped_lines": skipped,
-        "in_progress": not any(r.get("name") == "final" for r in checkpoints),
+        "in_progress": in_progress(run_dir, checkpoints),
     }
+
+
+def in_progress(run_dir, checkpoints):
+    """True until the run's final checkpoint row is written (a killed run stays "in progress")."""
+    return not any(r.get("name") == "final" for r in checkpoints)
+
+
+def run_kind(config, metrics):
+    """sft, rl, dpo or distill, from what each script writes (none writes its kind by name).
+
+    distill: config.json has `teacher` (tinker_distill.py), or rows log `reverse_kl`; it also has RL's
+    `group_size` and `iteration`, so it is tested first. dpo: config.json has `dpo_beta`, or rows log
+    `chosen_reward`. rl: config.json has `group_size`, or rows log `iteration` / `reward_mean` (or the
+    cookbook's env/all/reward/total). Anything else is SFT (tinker_sft.py, or the cookbook's sl_loop)."""
+    logged = set().union(*(r.keys() for r in metrics)) if metrics else set()
+    if "teacher" in config or "reverse_kl" in logged:
+        return "distill"
+    if "dpo_beta" in config or "chosen_reward" in logged:
+        return "dpo"
+    if "group_size" in config or logged & {"iteration", "reward_mean", "env/all/reward/total"}:
+        return "rl"
+    return "sft"
 
 
 def finite(value):
@@ -181,75 +220,30 @@ def figures(run):
 
     figs = []
 
-    def chart(fig_id, title, traces, x_title, y_title, shapes=()):
+    def chart(fig_id, title, traces, x_title, y_title, shapes=(), axis="fit"):
+        """axis: "fit" (linear, fitted to the values), "log" (log scale when every value is above 0: the
+        learning rate), or (low, high) for a quantity with known bounds (fractions, accuracy)."""
         if not any(t.x for t in traces):
             return
         fig = go.Figure(traces)
-        fig.update_layout(title=title, template="plotly_white", height=340, margin=dict(l=60, r=20, t=50, b=45),
+        fig.update_layout(title=title, template="plotly_white", height=340, margin=dict(l=70, r=20, t=50, b=45),
                           xaxis_title=x_title, yaxis_title=y_title, legend=dict(orientation="h", y=-0.25))
         if max(len(t.x) for t in traces) <= 12:
             fig.update_xaxes(dtick=1)  # steps and iterations are whole numbers
         for shape in shapes:
             fig.add_hline(**shape)
+        values = [y for t in traces for y in (t.y or ()) if finite(y) is not None]
+        values += [s["y"] for s in shapes if finite(s.get("y")) is not None]
+        fig.update_yaxes(**y_axis(values, axis))
         figs.append((fig_id, title, fig))
 
+    def line(rows, x_key, key, name=None, **kw):
+        x, y = series(rows, x_key, key)
+        return go.Scatter(x=x, y=y, name=name or key, mode=kw.pop("mode", "lines+markers"), **kw)
+
     m = run["metrics"]
-    if run["kind"] == "sft":
-        loss_key = first_key(m, "loss", "train_mean_nll")
-        x, y = series(m, "step", loss_key) if loss_key else ([], [])
-        traces = [go.Scatter(x=x, y=y, name=f"train {loss_key}", mode="lines+markers")]
-        ev = [r for r in run["eval"] if "nll" in r]
-        if ev:
-            ex, ey = series(ev, "step", "nll")
-            traces.append(go.Scatter(x=ex, y=ey, name="held-out nll (eval.jsonl)", mode="lines+markers"))
-        elif first_key(m, "test/nll"):
-            ex, ey = series(m, "step", "test/nll")
-            traces.append(go.Scatter(x=ex, y=ey, name="held-out test/nll", mode="lines+markers"))
-        chart("loss", "Loss: NLL per trained token", traces, "step", "nats / token")
-        x, y = series(m, "step", "learning_rate")
-        chart("learning_rate", "Learning rate", [go.Scatter(x=x, y=y, name="learning_rate", mode="lines+markers")],
-              "step", "learning rate")
-    else:
-        it = first_key(m, "iteration", "step") or "iteration"
-        reward_key = first_key(m, "reward_mean", "env/all/reward/total")
-        if reward_key:
-            x, mean = series(m, it, reward_key)
-            traces = []
-            if reward_key == "reward_mean" and first_key(m, "reward_std"):
-                rows = [r for r in m if "reward_mean" in r]
-                std = [finite(r.get("reward_std")) for r in rows]
-                upper = [None if a is None or s is None else a + s for a, s in zip(mean, std)]
-                lower = [None if a is None or s is None else a - s for a, s in zip(mean, std)]
-                traces += [go.Scatter(x=x, y=upper, name="mean + std", mode="lines", line=dict(width=0),
-                                      showlegend=False, hoverinfo="skip"),
-                           go.Scatter(x=x, y=lower, name="mean ± std", mode="lines", line=dict(width=0),
-                                      fill="tonexty", fillcolor="rgba(31,119,180,0.18)", hoverinfo="skip",
-                                      showlegend=True)]
-            traces.append(go.Scatter(x=x, y=mean, name=reward_key, mode="lines+markers",
-                                     line=dict(color="rgb(31,119,180)")))
-            for key, dash in (("reward_min", "dot"), ("reward_max", "dot")):
-                if first_key(m, key):
-                    kx, ky = series(m, it, key)
-                    traces.append(go.Scatter(x=kx, y=ky, name=key, mode="lines", line=dict(dash=dash, width=1)))
-            chart("reward", "Reward: mean, spread (mean ± std), min and max", traces, it, "reward")
-        traces = []
-        for key in ("frac_groups_tied", "frac_truncated"):
-            if first_key(m, key):
-                kx, ky = series(m, it, key)
-                traces.append(go.Scatter(x=kx, y=ky, name=key, mode="lines+markers"))
-        if not first_key(m, "frac_groups_tied") and first_key(m, "by_group/frac_mixed"):
-            rows = [r for r in m if "by_group/frac_mixed" in r]
-            traces.append(go.Scatter(x=[r.get(it) for r in rows], y=[1 - r["by_group/frac_mixed"] for r in rows],
-                                     name="1 - by_group/frac_mixed", mode="lines+markers"))
-        chart("tied", "Groups tied (no signal) and episodes truncated", traces, it, "fraction")
-        traces = []
-        for version in ("v1", "v2"):  # our name, else the cookbook's (a record may carry both: draw one)
-            key = first_key(m, f"kl_sample_train_{version}", f"optim/kl_sample_train_{version}")
-            if key:
-                kx, ky = series(m, it, key)
-                traces.append(go.Scatter(x=kx, y=ky, name=key, mode="lines+markers"))
-        chart("kl", "KL sampler vs learner on the sampled tokens (stable training: below about 0.01)",
-              traces, it, "nats")
+    kind_figures = {"sft": sft_figures, "rl": rl_figures, "dpo": dpo_figures, "distill": distill_figures}
+    kind_figures[run["kind"]](run, m, chart, line, go)
 
     cost = cost_series(run)
     if cost:
@@ -267,6 +261,121 @@ def figures(run):
     return figs
 
 
+def learning_rate_chart(m, x_key, chart, line):
+    if first_key(m, "learning_rate"):
+        chart("learning_rate", "Learning rate", [line(m, x_key, "learning_rate")], x_key, "learning rate",
+              axis="log")
+
+
+def sft_figures(run, m, chart, line, go):
+    loss_key = first_key(m, "loss", "train_mean_nll")
+    x, y = series(m, "step", loss_key) if loss_key else ([], [])
+    traces = [go.Scatter(x=x, y=y, name=f"train {loss_key}", mode="lines+markers")]
+    ev = [r for r in run["eval"] if "nll" in r]
+    if ev:
+        traces.append(line(ev, "step", "nll", "held-out nll (eval.jsonl)"))
+    elif first_key(m, "test/nll"):
+        traces.append(line(m, "step", "test/nll", "held-out test/nll"))
+    chart("loss", "Loss: NLL per trained token", traces, "step", "nats / token")
+    learning_rate_chart(m, "step", chart, line)
+
+
+def rl_figures(run, m, chart, line, go):
+    it = first_key(m, "iteration", "step") or "iteration"
+    reward_key = first_key(m, "reward_mean", "env/all/reward/total")
+    if reward_key:
+        x, mean = series(m, it, reward_key)
+        traces = []
+        if reward_key == "reward_mean" and first_key(m, "reward_std"):
+            rows = [r for r in m if "reward_mean" in r]
+            std = [finite(r.get("reward_std")) for r in rows]
+            upper = [None if a is None or s is None else a + s for a, s in zip(mean, std)]
+            lower = [None if a is None or s is None else a - s for a, s in zip(mean, std)]
+            traces += [go.Scatter(x=x, y=upper, name="mean + std", mode="lines", line=dict(width=0),
+                                  showlegend=False, hoverinfo="skip"),
+                       go.Scatter(x=x, y=lower, name="mean ± std", mode="lines", line=dict(width=0),
+                                  fill="tonexty", fillcolor="rgba(31,119,180,0.18)", hoverinfo="skip",
+                                  showlegend=True)]
+        traces.append(go.Scatter(x=x, y=mean, name=reward_key, mode="lines+markers",
+                                 line=dict(color="rgb(31,119,180)")))
+        for key in ("reward_min", "reward_max"):
+            if first_key(m, key):
+                traces.append(line(m, it, key, mode="lines", line=dict(dash="dot", width=1)))
+        chart("reward", "Reward: mean, spread (mean ± std), min and max", traces, it, "reward")
+    traces = [line(m, it, key) for key in ("frac_groups_tied", "frac_truncated") if first_key(m, key)]
+    if not first_key(m, "frac_groups_tied") and first_key(m, "by_group/frac_mixed"):
+        rows = [r for r in m if "by_group/frac_mixed" in r]
+        traces.append(go.Scatter(x=[r.get(it) for r in rows], y=[1 - r["by_group/frac_mixed"] for r in rows],
+                                 name="1 - by_group/frac_mixed", mode="lines+markers"))
+    chart("tied", "Groups tied (no signal) and episodes truncated", traces, it, "fraction", axis=(0, 1))
+    sampler_learner_kl_chart(m, it, chart, line)
+
+
+def sampler_learner_kl_chart(m, it, chart, line):
+    traces = []
+    for version in ("v1", "v2"):  # our name, else the cookbook's (a record may carry both: draw one)
+        key = first_key(m, f"kl_sample_train_{version}", f"optim/kl_sample_train_{version}")
+        if key:
+            traces.append(line(m, it, key))
+    chart("kl", "KL sampler vs learner on the sampled tokens (stable training: below about 0.01)",
+          traces, it, "nats")
+
+
+def dpo_figures(run, m, chart, line, go):
+    """tinker_dpo.py's rows: accuracy (chosen implicit reward above rejected), margin (mean of
+    beta * (chosen - rejected log-ratio)), chosen_reward / rejected_reward, implicit_kl, loss."""
+    chart("accuracy", "Preference accuracy: chosen reward above rejected (0.5 = chance)",
+          [line(m, "step", key) for key in ("accuracy", "policy_accuracy") if first_key(m, key)],
+          "step", "fraction of pairs", axis=(0, 1))
+    chart("margin", "Margin: beta × (chosen − rejected log-ratio to the reference)",
+          [line(m, "step", "margin")] if first_key(m, "margin") else [], "step", "margin")
+    chart("rewards", "Implicit rewards: chosen and rejected (beta × log-ratio to the reference)",
+          [line(m, "step", key) for key in ("chosen_reward", "rejected_reward") if first_key(m, key)],
+          "step", "reward")
+    chart("implicit_kl", "Implicit KL: ½ (log π − log ref)² per trained token, the drift from the reference",
+          [line(m, "step", "implicit_kl")] if first_key(m, "implicit_kl") else [], "step", "nats")
+    chart("loss", "DPO loss: mean of −log sigmoid(beta × log-ratio difference) (log 2 ≈ 0.693 at the reference)",
+          [line(m, "step", key) for key in ("loss", "dpo_loss") if first_key(m, key)], "step", "loss")
+    learning_rate_chart(m, "step", chart, line)
+
+
+def distill_figures(run, m, chart, line, go):
+    """tinker_distill.py's rows: reverse_kl (student minus teacher logprob per sampled token: the
+    quantity distillation lowers), teacher_logprob and student_logprob means, sampler/learner KL."""
+    it = first_key(m, "iteration", "step") or "iteration"
+    chart("reverse_kl", "Reverse KL to the teacher per sampled token (falls as the student learns)",
+          [line(m, it, "reverse_kl")] if first_key(m, "reverse_kl") else [], it, "nats / token")
+    chart("logprobs", "Mean logprob of the student's samples: under the teacher and under the student",
+          [line(m, it, key) for key in ("teacher_logprob", "student_logprob") if first_key(m, key)],
+          it, "nats / token")
+    sampler_learner_kl_chart(m, it, chart, line)
+    chart("truncated", "Samples truncated at --max-tokens",
+          [line(m, it, "frac_truncated")] if first_key(m, "frac_truncated") else [], it, "fraction", axis=(0, 1))
+    learning_rate_chart(m, it, chart, line)
+
+
+def y_axis(values, axis="fit"):
+    """Layout of a y axis that fits `values`: plotly's own autorange puts a constant series in [v-1, v+1],
+    so a learning rate of 1e-2 would lie flat on zero. "log": a log axis (when every value is above 0)
+    spanning the values plus a margin; a constant series gets half a decade on each side. "fit": a linear
+    axis from the smallest to the largest value plus 8 % (10 % of the value for a constant one, ±1 for
+    zeros). (low, high): that range, widened to the values."""
+    if not values:
+        return {}
+    lo, hi = min(values), max(values)
+    if axis == "log" and lo > 0:
+        a, b = math.log10(lo), math.log10(hi)
+        pad = 0.5 if b - a < 1e-9 else max(0.08 * (b - a), 0.1)
+        return dict(type="log", range=[a - pad, b + pad], tickformat=".2~g")
+    if isinstance(axis, tuple):
+        lo, hi = min(lo, axis[0]), max(hi, axis[1])
+    if hi - lo < 1e-12 * max(abs(lo), abs(hi), 1e-300):
+        pad = abs(lo) * 0.1 or 1.0
+    else:
+        pad = 0.08 * (hi - lo) if not isinstance(axis, tuple) else 0.04 * (hi - lo)
+    return dict(range=[lo - pad, hi + pad])
+
+
 def estimate_usd(config):
     est = config.get("estimate_usd")
     if est is None and isinstance(config.get("estimate"), dict):
@@ -277,7 +386,8 @@ def estimate_usd(config):
 def cost_series(run):
     """(x, cumulative usd, estimate or None, x key) when the record has a cost, else None."""
     m = run["metrics"]
-    x_key = first_key(m, "step", "iteration") if run["kind"] == "sft" else first_key(m, "iteration", "step")
+    x_key = (first_key(m, "step", "iteration") if run["kind"] in ("sft", "dpo")
+             else first_key(m, "iteration", "step"))
     if first_key(m, "cost/cumulative_usd"):
         x, y = series(m, x_key, "cost/cumulative_usd")
     elif first_key(m, "cost/step_usd"):
@@ -309,6 +419,8 @@ pre { white-space: pre-wrap; background: #f8f8f8; padding: 6px; font-size: 12px;
 .tok { display: inline-block; font-family: ui-monospace, monospace; font-size: 11px; padding: 0 2px; margin: 1px; border-radius: 2px; }
 .obs { background: #e6e6e6; color: #666; } .masked { background: #fff; color: #999; text-decoration: line-through; }
 .pos { background: #c9efc9; } .neg { background: #f6c8c8; } .zero { background: #e3ecf7; }
+.legend .ws { margin-right: 4px; }
+.ws { color: #b54d00; background: #ffe9cc; font-weight: bold; border-radius: 2px; padding: 0 1px; margin: 0 1px; }
 .legend { font-size: 13px; } .stop, .datum-break { color: #888; font-size: 11px; margin: 0 4px; } .legend span { margin-right: 12px; }
 """
 
@@ -325,6 +437,56 @@ def esc(value):
     return html.escape("" if value is None else str(value))
 
 
+# Whitespace and invisible characters in samples, drawn as marks: an untrained model's sample is often
+# newlines only, which a plain <pre> shows as an empty box.
+MARKS = {"\n": "⏎", "\t": "⇥", "\r": "␍", " ": "␣", "\x7f": "␡"}
+
+
+def mark(char):
+    """The visible stand-in of one whitespace or invisible character, or None for an ordinary one."""
+    if char in MARKS:
+        return MARKS[char]
+    if ord(char) < 0x20:
+        return chr(0x2400 + ord(char))  # the Unicode control pictures ␀ .. ␟
+    if unicodedata.category(char) in ("Cc", "Cf", "Zs", "Zl", "Zp") and char != " ":
+        return f"⟨U+{ord(char):04X}⟩"  # no-break and zero-width spaces, BOM, direction marks
+    return None
+
+
+WS_LEGEND = ("<p class='legend'>in samples: <span class='ws'>⏎</span> line break, <span class='ws'>␣</span> "
+             "space at a line's start or end or in a run, <span class='ws'>⇥</span> tab, "
+             "<span class='ws'>∅</span> empty; hover a sample for its raw text</p>")
+
+
+def sample_html(text, cls=None):
+    """A <pre> of a sample with whitespace and control characters visible, as <span class='ws'> marks: ⏎ at
+    each line break (the line still breaks), ␣ for a space at the start or end of a line or next to another
+    space (single spaces between words stay plain), ⇥ tab, ␍ carriage return, ␀..␟ and ␡ for other control
+    characters, ⟨U+XXXX⟩ for invisible ones; ∅ for an empty sample. When anything is marked, hovering
+    shows the raw text as a JSON string."""
+    attrs = f" class='{cls}'" if cls else ""
+    if text is None:
+        return f"<pre{attrs}></pre>"
+    text = str(text)
+    if text == "":
+        return f"<pre{attrs} title='\"\" (empty)'><span class='ws'>∅</span></pre>"
+    out, marked = [], False
+    for i, char in enumerate(text):
+        sign = mark(char)
+        if char == " ":
+            before = text[i - 1] if i else "\n"
+            after = text[i + 1] if i + 1 < len(text) else "\n"
+            if before not in " \n" and after not in " \n":
+                sign = None  # a space between words
+        if sign is None:
+            out.append(html.escape(char))
+            continue
+        marked = True
+        out.append(f"<span class='ws'>{sign}</span>" + ("\n" if char == "\n" else ""))
+    title = f" title='{esc(json.dumps(text, ensure_ascii=False))}'" if marked else ""
+    return f"<pre{attrs}{title}>{''.join(out)}</pre>"
+
+
 def script_json(text):
     """JSON safe inside a <script> element."""
     return text.replace("</", "<\\/")
@@ -335,7 +497,7 @@ def render_page(run, watch=None):
 
     figs = figures(run)
     cfg = run["config"]
-    title = f"{run['kind'].upper()} run {run['dir'].resolve().name}"
+    title = f"{KINDS[run['kind']][1]} run {run['dir'].resolve().name}"
     status = "in progress (no final checkpoint yet)" if run["in_progress"] else "finished (final checkpoint saved)"
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
@@ -343,7 +505,8 @@ def render_page(run, watch=None):
         f"<title>{esc(title)}</title><style>{CSS}</style>",
         f"<script>{get_plotlyjs()}</script></head><body>",
         f"<h1>{esc(title)}</h1>",
-        f"<div class='meta'>{esc(run['dir'].resolve())} · model {esc(cfg.get('model_name', 'unknown'))} · "
+        f"<div class='meta'>{esc(run['dir'].resolve())} · {esc(KINDS[run['kind']][0])} · "
+        f"model {esc(cfg.get('model_name', 'unknown'))}{teacher_note(cfg)} · "
         f"{esc(status)} · written {esc(datetime.now(timezone.utc).isoformat(timespec='seconds'))}"
         f"{f' · refreshes every {watch:g} s' if watch else ''}</div>",
     ]
@@ -372,12 +535,27 @@ def render_page(run, watch=None):
     return "\n".join(p for p in parts if p)
 
 
+def teacher_note(config):
+    teacher = config.get("teacher")
+    return f" · teacher {esc(teacher)}" if teacher else ""
+
+
+def first_last(rows, key):
+    """' first A → last B' of a logged value, or '' when no row has it."""
+    values = [r[key] for r in rows if finite(r.get(key)) is not None]
+    return f" · {key} first {fmt_num(values[0])} → last {fmt_num(values[-1])}" if values else ""
+
+
 def headline(run):
     m = run["metrics"]
     if not m:
         return []
     last = m[-1]
-    if run["kind"] == "sft":
+    if run["kind"] == "dpo":
+        text = f"step {last.get('step')}" + first_last(m, "accuracy") + first_last(m, "margin")
+    elif run["kind"] == "distill":
+        text = f"iteration {last.get('iteration', last.get('step'))}" + first_last(m, "reverse_kl")
+    elif run["kind"] == "sft":
         evals = [r for r in run["eval"] if finite(r.get("nll")) is not None]
         before = next((r["nll"] for r in evals if r.get("when") == "before"), None)
         after = next((r["nll"] for r in reversed(evals) if r.get("when") == "after"), None)
@@ -417,10 +595,10 @@ def probes_table(evals):
     row = next((r for r in reversed(evals) if r.get("probes")), None)
     if row is None:
         return []
-    out = ["<h2>Probes (greedy samples of held-out prompts)</h2><table id='probes'>"
+    out = ["<h2>Probes (greedy samples of held-out prompts)</h2>", WS_LEGEND, "<table id='probes'>"
            "<tr><th>prompt</th><th>expected</th><th>before</th><th>after</th></tr>"]
     for p in row["probes"]:
-        out.append("<tr>" + "".join(f"<td><pre>{esc(p.get(k))}</pre></td>"
+        out.append("<tr>" + "".join(f"<td class='{k}'>{sample_html(p.get(k))}</td>"
                                     for k in ("prompt", "expected", "before", "after")) + "</tr>")
     return out + ["</table>"]
 
@@ -447,7 +625,7 @@ def rollout_browser(rows):
            "<p class='legend'><span class='tok obs'>context (prompt, observations): not trained</span>"
            "<span class='tok pos'>trained, advantage &gt; 0</span><span class='tok neg'>trained, advantage &lt; 0</span>"
            "<span class='tok zero'>trained, advantage 0</span><span class='tok masked'>sampled, masked</span> "
-           "hover a token for its id and sampler logprob</p>"]
+           "hover a token for its id and sampler logprob</p>", WS_LEGEND]
     if len(rows) > len(shown):
         out.append(f"<p class='note'>showing the last {len(shown)} of {len(rows)} rollouts.</p>")
     out.append("<div id='rollouts'>")
@@ -474,9 +652,9 @@ def rollout_html(r, open_=False):
         head += f" · sampler {esc(r.get('sampler_version'))}"
     parts = [f"<details class='rollout-row'{' open' if open_ else ''}><summary>{head}</summary><div class='rollout'>"]
     if r.get("prompt_text") is not None:
-        parts.append(f"<div>prompt</div><pre class='prompt'>{esc(r['prompt_text'])}</pre>")
+        parts.append(f"<div>prompt</div>{sample_html(r['prompt_text'], 'prompt')}")
     if r.get("completion_text") is not None:
-        parts.append(f"<div>completion</div><pre class='completion'>{esc(r['completion_text'])}</pre>")
+        parts.append(f"<div>completion</div>{sample_html(r['completion_text'], 'completion')}")
     parts.append("<div>tokens</div><div class='tokens'>" + token_spans(r, adv, trained) + "</div>")
     return "".join(parts) + "</div></details>"
 
@@ -495,7 +673,7 @@ def token_spans(r, adv, trained):
         if turn.get("starts_datum"):
             spans.append("<span class='datum-break' title='a new datum starts here'>|</span>")
         if turn.get("observation_text") is not None:
-            spans.append(f"<pre class='observation'>{esc(turn['observation_text'])}</pre>")
+            spans.append(sample_html(turn["observation_text"], "observation"))
         observation = turn.get("observation_tokens") or []
         spans += [tok(t, "obs", f"turn {n} observation") for t in observation]
         k += len(observation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 import signal
 import subprocess
@@ -98,6 +99,52 @@ def rl_folder(tmp_path, with_trace=True):
                         "prompt_text": "What is 6*7? </script><script>alert(1)</script>", "completion_text": "42"})
         write_rows(run / "rollouts.jsonl", rollouts)
     return run, metrics, rollouts
+
+
+def dpo_folder(tmp_path):
+    """A DPO record with the keys tinker_dpo.py writes (config: dpo_beta, reference, pairs_sha256; rows: loss,
+    dpo_loss, accuracy, margin, chosen_reward, rejected_reward, policy_accuracy, implicit_kl, learning_rate)."""
+    run = tmp_path / "dpo"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B", "dpo_beta": 0.1,
+                                                 "reference": "forward", "pairs": 4, "pairs_sha256": "ab" * 32,
+                                                 "learning_rate": 1e-3, "batch_size": 4, "estimate_usd": 0.5}))
+    metrics = [{"step": s, "epoch": s - 1, "loss": 0.693 - 0.125 * (s - 1), "dpo_loss": 0.693 - 0.125 * (s - 1),
+                "accuracy": [0.0, 0.5, 0.75, 1.0][s - 1], "margin": 0.25 * (s - 1),
+                "chosen_reward": 0.125 * (s - 1), "rejected_reward": -0.125 * (s - 1),
+                "policy_accuracy": 0.5, "implicit_kl": 0.001 * (s - 1), "learning_rate": 1e-3, "pairs": 4,
+                "tokens": 96, "seconds": 0.5, "cost/step_usd": 0.0625, "cost/cumulative_usd": 0.0625 * s,
+                "num_tokens": 96} for s in range(1, 5)]
+    write_rows(run / "metrics.jsonl", metrics)
+    write_rows(run / "reference_logprobs.jsonl", [{"pair": 0, "chosen": [-1.0], "rejected": [-2.0]}])
+    write_rows(run / "checkpoints.jsonl", [{"name": "final", "step": 4, "next_batch": 4, "epoch": 3,
+                                            "state_path": "tinker://d/weights/final",
+                                            "sampler_path": "tinker://d/sampler_weights/final"}])
+    return run, metrics
+
+
+def distill_folder(tmp_path):
+    """A distillation record with the keys tinker_distill.py writes (config: teacher, teacher_base, kl_coef and
+    RL's group_size; rows per iteration: reverse_kl, teacher_logprob, student_logprob, kl_sample_train_v1/v2,
+    frac_truncated, learning_rate)."""
+    run = tmp_path / "distill"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B", "teacher": "runs/sft1",
+                                                 "teacher_base": "Qwen/Qwen3-8B", "kl_coef": 1.0,
+                                                 "group_size": 4, "batch_size": 4, "iterations": 4,
+                                                 "learning_rate": 2e-2, "estimate_usd": 0.25}))
+    metrics = [{"iteration": i, "reverse_kl": 2.0 / (i + 1), "teacher_logprob": -3.0 + 0.5 * i,
+                "student_logprob": -1.0 + 0.125 * i, "loss_sum": -0.5, "kl_sample_train_v1": 1e-4,
+                "kl_sample_train_v2": 1e-8, "entropy": 1.0, "sequences": 16, "frac_truncated": 0.25 * i,
+                "tokens_sampled": 128, "tokens_trained": 400, "tokens_teacher": 400, "kl_coef": 1.0,
+                "learning_rate": 2e-2, "seconds_sampling_and_teacher": 1.0, "seconds_training": 1.0,
+                "sample_retries": 0, "prompts": [0, 1, 2, 3], "sampling_seeds": [1, 2, 3, 4],
+                "cost/step_usd": 0.03125, "cost/cumulative_usd": 0.03125 * (i + 1)} for i in range(4)]
+    write_rows(run / "metrics.jsonl", metrics)
+    write_rows(run / "checkpoints.jsonl", [{"name": "final", "step": 4, "next_iteration": 4, "epoch": 4,
+                                            "state_path": "tinker://s/weights/final",
+                                            "sampler_path": "tinker://s/sampler_weights/final"}])
+    return run, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,3 +398,170 @@ def test_a_report_that_cannot_be_written_is_exit_1_with_one_line(tmp_path):
     code, result, err = run_report(run, "--out", str(blocker / "report.html"))
     assert code == 1 and result is None
     assert err.startswith(f"error: cannot write {blocker / 'report.html'}") and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# every run kind: the title and the curves that kind is judged by
+
+
+def page_title(page):
+    return re.search(r"<h1>(.*?)</h1>", page).group(1)
+
+
+def test_a_dpo_run_is_titled_dpo_and_draws_accuracy_margin_rewards_and_implicit_kl(tmp_path):
+    run, metrics = dpo_folder(tmp_path)
+    code, result, err = run_report(run)
+    assert code == 0, err
+    assert result["kind"] == "dpo" and result["in_progress"] is False
+    page = (run / "report.html").read_text()
+    assert page_title(page) == "DPO run dpo" and "tinker_dpo.py" in page
+    figs = figures_in(page)
+    assert set(figs) == {"accuracy", "margin", "rewards", "implicit_kl", "loss", "learning_rate", "cost"}
+    steps = [1, 2, 3, 4]
+    for fig_id, key in [("accuracy", "accuracy"), ("accuracy", "policy_accuracy"), ("margin", "margin"),
+                        ("rewards", "chosen_reward"), ("rewards", "rejected_reward"),
+                        ("implicit_kl", "implicit_kl"), ("loss", "loss"), ("loss", "dpo_loss"),
+                        ("learning_rate", "learning_rate")]:
+        drawn = trace(figs[fig_id], key)
+        assert drawn["x"] == steps and drawn["y"] == [m[key] for m in metrics], (fig_id, key)
+    assert trace(figs["cost"], "cost so far (usd)")["x"] == steps
+    assert figs["accuracy"]["layout"]["yaxis"]["range"][0] <= 0 and figs["accuracy"]["layout"]["yaxis"]["range"][1] >= 1
+    text = html.unescape(page)
+    assert "accuracy first 0 → last 1" in text and "margin first 0 → last 0.75" in text
+
+
+def test_a_distillation_run_is_titled_distillation_and_draws_reverse_kl_and_both_logprobs(tmp_path):
+    run, metrics = distill_folder(tmp_path)
+    code, result, err = run_report(run)
+    assert code == 0, err
+    assert result["kind"] == "distill"  # not RL, though its config has group_size and its rows iteration
+    page = (run / "report.html").read_text()
+    assert page_title(page) == "Distillation run distill" and "teacher runs/sft1" in page
+    figs = figures_in(page)
+    assert set(figs) == {"reverse_kl", "logprobs", "kl", "truncated", "learning_rate", "cost"}
+    its = [0, 1, 2, 3]
+    for fig_id, key in [("reverse_kl", "reverse_kl"), ("logprobs", "teacher_logprob"),
+                        ("logprobs", "student_logprob"), ("kl", "kl_sample_train_v1"), ("kl", "kl_sample_train_v2"),
+                        ("truncated", "frac_truncated"), ("learning_rate", "learning_rate")]:
+        drawn = trace(figs[fig_id], key)
+        assert drawn["x"] == its and drawn["y"] == [m[key] for m in metrics], (fig_id, key)
+    assert trace(figs["cost"], "cost so far (usd)")["x"] == its
+    assert "reverse_kl first 2 → last 0.5" in html.unescape(page)
+
+
+@pytest.mark.parametrize("config, rows, kind", [
+    ({"model_name": "m", "learning_rate": 1e-4, "batch_size": 8}, [{"step": 1, "loss": 1.0}], "sft"),
+    ({"model_name": "m", "group_size": 4}, [], "rl"),
+    ({}, [{"iteration": 0, "reward_mean": 0.5}], "rl"),
+    ({"model_name": "m", "dpo_beta": 0.1}, [], "dpo"),
+    ({}, [{"step": 1, "loss": 0.69, "chosen_reward": 0.0, "rejected_reward": 0.0}], "dpo"),
+    ({"model_name": "m", "teacher": "Qwen/Qwen3-32B", "group_size": 4}, [], "distill"),
+    ({}, [{"iteration": 0, "reverse_kl": 1.0}], "distill"),
+])
+def test_the_run_kind_is_read_from_what_each_script_writes(config, rows, kind):
+    assert tinker_report.run_kind(config, rows) == kind
+
+
+def test_help_names_all_four_run_kinds():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for kind, script in [("SFT", "tinker_sft.py"), ("RL", "tinker_rl.py"), ("DPO", "tinker_dpo.py"),
+                         ("distillation", "tinker_distill.py")]:
+        assert f"{kind} ({script})" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# axes that fit their data
+
+
+def learning_rate_axis(tmp_path, rates):
+    run = tmp_path / "lr"
+    run.mkdir()
+    write_rows(run / "metrics.jsonl", [{"step": s + 1, "loss": 1.0, "learning_rate": lr} for s, lr in enumerate(rates)])
+    assert run_report(run)[0] == 0
+    return figures_in((run / "report.html").read_text())["learning_rate"]["layout"]["yaxis"]
+
+
+def test_a_constant_learning_rate_of_1e_2_is_drawn_on_a_log_axis_around_it_not_flat_on_zero(tmp_path):
+    axis = learning_rate_axis(tmp_path, [1e-2] * 5)
+    assert axis["type"] == "log"
+    low, high = (10 ** v for v in axis["range"])
+    assert low < 1e-2 < high and high / low <= 10.0 + 1e-9  # within one decade of the value, not [-1, 1]
+
+
+def test_a_decaying_schedule_fills_its_log_axis(tmp_path):
+    rates = [1e-2 * (1 - s / 10) for s in range(10)]  # linear decay 1e-2 -> 1e-3
+    axis = learning_rate_axis(tmp_path, rates)
+    low, high = axis["range"]
+    span = math.log10(max(rates)) - math.log10(min(rates))
+    assert axis["type"] == "log" and low < math.log10(min(rates)) and high > math.log10(max(rates))
+    assert span / (high - low) > 0.8  # the curve fills most of the height
+
+
+def test_a_learning_rate_of_zero_falls_back_to_a_linear_axis_holding_it(tmp_path):
+    axis = learning_rate_axis(tmp_path, [1e-3, 5e-4, 0.0])
+    assert axis.get("type") in (None, "linear")
+    low, high = axis["range"]
+    assert low < 0.0 and high > 1e-3 and high - low < 2e-3
+
+
+@pytest.mark.parametrize("values, inside", [([0.25] * 4, (0.2, 0.3)), ([0.0] * 3, (-1.0, 1.0)),
+                                            ([1e-4, 3e-4], (5e-5, 3.5e-4))])
+def test_every_other_curve_gets_a_linear_axis_fitted_to_its_values(values, inside):
+    axis = tinker_report.y_axis(values)
+    low, high = axis["range"]
+    assert low <= min(values) and max(values) <= high
+    assert inside[0] <= low and high <= inside[1]
+
+
+def test_fractions_keep_their_whole_zero_to_one_range(tmp_path):
+    run, _, _ = rl_folder(tmp_path, with_trace=False)
+    assert run_report(run)[0] == 0
+    low, high = figures_in((run / "report.html").read_text())["tied"]["layout"]["yaxis"]["range"]
+    assert low < 0 < 1 < high < 1.1
+
+
+# ---------------------------------------------------------------------------------------------
+# whitespace and control characters in samples
+
+
+def probe_cells(page):
+    table = page.split("<table id='probes'>", 1)[1].split("</table>", 1)[0]
+    return [dict(re.findall(r"<td class='(\w+)'>(.*?)</td>", row, re.S)) for row in table.split("</tr>")[1:-1]]
+
+
+def test_a_newline_only_before_sample_shows_one_mark_per_newline_and_the_raw_text_on_hover(tmp_path):
+    run, _, evals = sft_folder(tmp_path)
+    evals[0]["probes"] = [
+        {"line": 1, "prompt": "What colour is the sky?", "expected": "Blue.", "before": "\n\n\n", "after": "Blue."},
+        {"line": 2, "prompt": "x", "expected": "  two  spaces\tand a tab ", "before": "", "after": "a\x00b\u200bc"},
+    ]
+    write_rows(run / "eval.jsonl", evals)
+    assert run_report(run)[0] == 0
+    cells = probe_cells((run / "report.html").read_text())
+    assert cells[0]["before"] == ("<pre title='&quot;\\n\\n\\n&quot;'><span class='ws'>⏎</span>\n"
+                                  "<span class='ws'>⏎</span>\n<span class='ws'>⏎</span>\n</pre>")
+    assert cells[0]["after"] == "<pre>Blue.</pre>" and cells[0]["prompt"] == "<pre>What colour is the sky?</pre>"
+    expected = html.unescape(re.sub(r"<[^>]+>", "", cells[1]["expected"]))
+    assert expected == "␣␣two␣␣spaces⇥and a tab␣"  # the single space between words stays a space
+    assert "title='&quot;  two  spaces\\tand a tab &quot;'" in cells[1]["expected"]
+    assert "<span class='ws'>∅</span>" in cells[1]["before"]
+    assert html.unescape(re.sub(r"<[^>]+>", "", cells[1]["after"])) == "a␀b⟨U+200B⟩c"
+
+
+def test_sample_text_is_escaped_around_the_marks():
+    shown = tinker_report.sample_html("<b>  </b>\n")
+    two_spaces = "<span class='ws'>␣</span><span class='ws'>␣</span>"
+    assert shown.startswith("<pre title=") and f"&lt;b&gt;{two_spaces}&lt;/b&gt;" in shown
+    assert "<b>" not in shown
+
+
+def test_rollout_texts_show_their_whitespace_too(tmp_path):
+    run, _, rollouts = rl_folder(tmp_path)
+    for r in rollouts:
+        r["completion_text"] = "\n\n"
+    write_rows(run / "rollouts.jsonl", rollouts)
+    assert run_report(run)[0] == 0
+    page = (run / "report.html").read_text()
+    assert page.count("<pre class='completion' title='&quot;\\n\\n&quot;'><span class='ws'>⏎</span>") == len(rollouts)
