@@ -100,7 +100,8 @@ def test_no_spliced_definition_is_unreachable_from_the_hand_written_part(script)
     for u in hand + region:
         for name in u.binds:
             binders.setdefault(name, []).append(u)
-    reached, queue = set(), list(hand)
+    effects = [u for u in region if not u.binds]  # run on import: not definitions, but their uses count
+    reached, queue = set(), hand + effects
     while queue:
         u = queue.pop()
         names = u.uses | {s for s in u.strings if any(not b.is_import for b in binders.get(s, []))}
@@ -109,7 +110,8 @@ def test_no_spliced_definition_is_unreachable_from_the_hand_written_part(script)
                 if id(target) not in reached:
                     reached.add(id(target))
                     queue.append(target)
-    unreachable = [f"line {u.node.lineno}: {splice.unit_label(u)}" for u in region if id(u) not in reached]
+    unreachable = [f"line {u.node.lineno}: {splice.unit_label(u)}" for u in region
+                   if u.binds and id(u) not in reached]
     assert unreachable == [], f"{script}: spliced but never used: {unreachable}"
 
 
@@ -210,10 +212,16 @@ class Error2(Child):  # a class whose base comes from another module
     pass
 
 
+os.environ.setdefault("SPLICE_TEST_EFFECT", by_name())  # binds nothing: runs on import, goes with its module
+
+
 def never_called():
     return LIMIT
 ''',
 }
+
+
+EFFECT = "helpers:os.environ.setdefault('SPLICE_TEST_EFFECT', by_name())"
 
 
 @pytest.fixture
@@ -232,13 +240,14 @@ def copied(hand):
 def test_the_closure_follows_decorators_defaults_bases_constants_strings_and_nested_uses(fake_common):
     assert copied("def main():\n    return entry()\n") == {
         "helpers:entry", "helpers:traced", "helpers:functools", "helpers:LIMIT", "helpers:LOOKUP",
-        "helpers:by_name", "helpers:os", "helpers:deep",
+        "helpers:by_name", "helpers:os", "helpers:deep", EFFECT,
         "errors:Child", "errors:Base", "errors:CODE", "errors:say", "errors:sys"}
 
 
 def test_a_class_whose_base_lives_in_another_module_brings_the_base(fake_common):
-    assert copied("def f():\n    raise Error2()\n") == {"helpers:Error2", "errors:Child", "errors:Base",
-                                                         "errors:CODE"}
+    assert copied("def f():\n    raise Error2()\n") == {
+        "helpers:Error2", "errors:Child", "errors:Base", "errors:CODE",
+        EFFECT, "helpers:by_name", "helpers:os"}  # helpers is copied from: its statement run on import too
 
 
 def test_a_module_the_shared_code_imports_serves_the_hand_written_part_too(fake_common):
@@ -259,6 +268,7 @@ def test_the_region_of_the_made_up_modules_runs(fake_common, capsys):
     hand = "import sys\n\n\ndef main():\n    return entry()\n"
     text = hand + splice.region_for(hand) + "\n"
     assert "never_called" not in text and "class Unused" not in text
+    assert 'os.environ.setdefault("SPLICE_TEST_EFFECT", by_name())' in text  # a statement run for its effect
     namespace = {"__name__": "copied"}
     exec(compile(text, "copied.py", "exec"), namespace)
     assert namespace["main"]() == os.sep and capsys.readouterr().err == "entry\n"

@@ -17,9 +17,10 @@ between these markers, naming the modules it takes definitions from:
 
 What is copied: the closure of what the hand-written part (everything outside the region) uses. Each
 top-level statement of a common/ module (a def, a class whole, a constant, an import) is one unit; a unit
-is copied when a copied unit or the hand-written part refers to a name it binds. Names are followed the
-way Python resolves them (symtable): in function bodies and nested functions, in decorators, default
-arguments, class bases and class bodies, module-level constants; a name is looked up in the module that
+is copied when a copied unit or the hand-written part refers to a name it binds; a statement that binds
+nothing (a call made at import) is copied with its module. Names are followed the way Python resolves them
+(symtable): in function bodies and nested functions, in decorators, default arguments, class bases and
+class bodies, module-level constants; a name is looked up in the module that
 uses it, and a `from other import name  # splice: drop` line leads to the other module. A string constant
 that is exactly a shared function, class or constant name counts as a use too (getattr or globals() by
 name). Annotations are not followed (the scripts use `from __future__ import annotations`). Units keep
@@ -253,14 +254,19 @@ def closure(hand: str, mods: dict | None = None) -> dict:
         for name in sorted(u.strings - bound - u.uses):
             want(resolve_hand_written(mods, name, strings=True), f"script names {name!r}")
     while queue:
-        module, index = queue.pop()
-        unit = mods[module].units[index]
-        label = f"common/{module}.py:{unit_label(unit)}"
-        for name in sorted(unit.uses):
-            want(resolve(mods, module, name), f"{label} uses {name}")
-        for name in sorted(unit.strings - unit.uses):
-            want([t for t in resolve(mods, module, name) if not mods[t[0]].units[t[1]].is_import],
-                 f"{label} names {name!r}")
+        while queue:
+            module, index = queue.pop()
+            unit = mods[module].units[index]
+            label = f"common/{module}.py:{unit_label(unit)}"
+            for name in sorted(unit.uses):
+                want(resolve(mods, module, name), f"{label} uses {name}")
+            for name in sorted(unit.strings - unit.uses):
+                want([t for t in resolve(mods, module, name) if not mods[t[0]].units[t[1]].is_import],
+                     f"{label} names {name!r}")
+        # A statement that binds nothing (a call at module level) runs for its effect: it goes with its module.
+        for module in sorted({m for m, _ in needed}):
+            want([(module, u.index) for u in mods[module].units if not u.binds],
+                 f"common/{module}.py runs it on import")
     clashes = sorted(n for (m, i) in needed for n in mods[m].units[i].binds & bound
                      if not mods[m].units[i].is_import)
     if clashes:
@@ -273,7 +279,10 @@ def unit_label(unit: Unit) -> str:
     node = unit.node
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return node.name
-    return ", ".join(sorted(unit.binds)) or f"line {node.lineno}"
+    if unit.binds:
+        return ", ".join(sorted(unit.binds))
+    code = ast.unparse(node).splitlines()[0]  # a statement run for its effect: its code names it
+    return code if len(code) <= 60 else code[:57] + "..."
 
 
 def import_text(unit: Unit, needed_names: set) -> str:
