@@ -1937,7 +1937,67 @@ from urllib.parse import urlsplit
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
-LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+LOCAL_HINT = "for a free rehearsal start the local backend:"
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
+
+
+def script_command(name: str, *args) -> str:
+    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
+    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    import shlex
+
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = "python " + shlex.join([path or name, *map(str, args)])
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        command = f"python {shlex.quote(launcher)} run -- {command}"
+    return command
+
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it (python + sys.argv)."""
+    import shlex
+
+    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+
+def local_hint() -> str:
+    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    launcher = local_launcher()
+    if launcher is None:
+        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
+                "bundle's scripts/ folder)")
+    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
 
 
 def service_url() -> str:
@@ -1970,14 +2030,15 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
         if isinstance(e, socket.gaierror):
             reason = f"host {host} does not resolve"
         local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
-        hint = LOCAL_HINT if local else "check the network"
+        hint = local_hint() if local else "check the network"
         raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
                           f"{hint}, or fix {setting}") from None
 
 
-def require_credentials() -> str:
+def require_credentials(dry_run_hint: bool = True) -> str:
     """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
-    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login.
+    dry_run_hint: the script has --dry-run, so the error may offer it."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
@@ -1987,8 +2048,8 @@ def require_credentials() -> str:
     import tinker
 
     if not tinker.auth.tinker_has_credentials():
-        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-                          f"or {LOCAL_HINT}")
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), "
+                          + ("or check for free with --dry-run, " if dry_run_hint else "") + f"or {local_hint()}")
     return tinker.auth.get_tinker_token() or ""
 
 
@@ -2001,13 +2062,13 @@ def rest_client():
                              api_key=os.environ.get("TINKER_API_KEY") or None)
 
 
-def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name", dry_run_hint: bool = True):
     """(ServiceClient, the model's context window) after credentials, reachability and the served-model
     check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
     sampled): no served-model check, context window None."""
     import difflib
 
-    require_credentials()
+    require_credentials(dry_run_hint)
     check_reachable()
     import tinker
 
@@ -2289,7 +2350,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 66126ca359e2) ====
+# ==== END SHARED CODE (sha256 3a9eb324e4e9) ====
 
 
 if __name__ == "__main__":

@@ -279,7 +279,7 @@ def test_sampling_mistakes(service, trained):
 
 @pytest.mark.e2e
 @proves("error: no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-        "or for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>",
+        "or for a free rehearsal start the local backend: python",
         "error: TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again from the "
         "Tinker console")
 def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_line(local_tinker, tmp_path):
@@ -292,6 +292,9 @@ def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_l
         out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_sft.py"),
                               "--data", str(ROOT / "templates" / "sft_example.jsonl"), "--max-steps", "1",
                               "--tokenizer", str(local_tinker.tokenizer_dir), "--log-path", str(tmp_path / "run")],
-                             capture_output=True, text=True, env=env, timeout=120)
+                             capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
         assert out.returncode == 4, out.stderr[-2000:]
         check(out.stderr.strip().splitlines()[-1], text)
+        if key is None:  # the rehearsal hint is this very command, wrapped in the launcher that exists
+            launcher = str(ROOT / "scripts" / "tinker_local.py")
+            assert f"python {launcher} run -- python {ROOT / 'scripts' / 'tinker_sft.py'} --data " in out.stderr
