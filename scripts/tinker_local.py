@@ -763,7 +763,8 @@ def cmd_prune(args) -> int:
 def cmd_setup(args) -> int:
     t0 = time.monotonic()
     result = setup(args.venv, args.home, args.python, args.model)
-    say(f"setup finished in {time.monotonic() - t0:.1f} s")
+    say(f"setup finished in {time.monotonic() - t0:.1f} s; the tokenizer folder standing in for {args.model} "
+        f"(for --tokenizer in an offline dry run): {result['tokenizer_dir']}")
     print(json.dumps(result))
     return 0
 

@@ -154,7 +154,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.rehearse = args.rehearse == "on" or (args.rehearse == "auto" and on_local_backend())
     if args.rehearse:  # the rehearsal's settings, for every flag not given on the command line
-        p.set_defaults(**REHEARSAL_SETTINGS, **(REHEARSAL_FROM_CHECKPOINT if args.init_from else {}))
+        p.set_defaults(**{**REHEARSAL_SETTINGS, **(REHEARSAL_FROM_CHECKPOINT if args.init_from else {})})
         args = p.parse_args(argv)
         args.rehearse = True
     # Which reward trains: "own" (reward()/env_step() of the EDIT ME block), "stand-in" (the rehearsal's task),
@@ -724,8 +724,10 @@ def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
 import json
+import os
 import signal
 import sys
+from pathlib import Path
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -782,6 +784,70 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+# ---- next commands: printed as the user can run them, from where they stand
+
+LOCAL_HINT = "for a free rehearsal start the local backend:"
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
+
+
+def script_command(name: str, *args) -> str:
+    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
+    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    import shlex
+
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = "python " + shlex.join([path or name, *map(str, args)])
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        command = f"python {shlex.quote(launcher)} run -- {command}"
+    return command
+
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it (python + sys.argv)."""
+    import shlex
+
+    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+
+def local_hint() -> str:
+    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    launcher = local_launcher()
+    if launcher is None:
+        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
+                "bundle's scripts/ folder)")
+    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
@@ -922,6 +988,10 @@ def load_tokenizer(name_or_path: str):
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
+    launcher, command = local_launcher(), this_command()
+    if launcher and not command.startswith("<"):  # the local backend resolves the name it serves, offline
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name_or_path} offline: "
+                      f"python {launcher} run --model {name_or_path} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -1937,69 +2007,6 @@ from urllib.parse import urlsplit
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
-LOCAL_HINT = "for a free rehearsal start the local backend:"
-
-
-def short_path(path) -> str:
-    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
-    path = Path(path).resolve()
-    rel = os.path.relpath(path)
-    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
-
-
-def sibling_script(name: str) -> str | None:
-    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
-    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
-    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
-    here = Path(__file__).resolve()
-    if not (here.parent / name).exists():
-        return None
-    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
-    return os.path.join(folder, name) if folder not in ("", ".") else name
-
-
-def local_launcher() -> str | None:
-    """The path to type for tinker_local.py: the one that started the local backend this script talks to
-    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
-    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
-    if launcher and Path(launcher).exists():
-        return short_path(launcher)
-    return sibling_script("tinker_local.py")
-
-
-def script_command(name: str, *args) -> str:
-    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
-    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
-    import shlex
-
-    path = sibling_script(name)
-    launcher = local_launcher()
-    if path is None and launcher and (Path(launcher).parent / name).exists():
-        path = os.path.join(os.path.dirname(launcher), name)
-    command = "python " + shlex.join([path or name, *map(str, args)])
-    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
-        command = f"python {shlex.quote(launcher)} run -- {command}"
-    return command
-
-
-def this_command() -> str:
-    """The command line that started this script, as the user typed it (python + sys.argv)."""
-    import shlex
-
-    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
-
-
-def local_hint() -> str:
-    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
-    launcher = local_launcher()
-    if launcher is None:
-        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
-                "bundle's scripts/ folder)")
-    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
-
-
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -2765,7 +2772,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 d2fccd27b897) ====
+# ==== END SHARED CODE (sha256 952d93f76029) ====
 
 
 if __name__ == "__main__":
