@@ -13,8 +13,9 @@
 Run:
     # audit for free (no Tinker call): renders both sides of every pair, checks the masks, estimates the cost
     uv run tinker_dpo.py --data dpo_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
-    # train
-    uv run tinker_dpo.py --data my_pairs.jsonl --model-name Qwen/Qwen3-8B --log-path runs/dpo1 --max-usd 5
+    # train: aim for about 100 steps (1,000 pairs at the default --batch-size 32 make 31 an epoch: --epochs 3;
+    # with fewer pairs lower --batch-size and scale the learning rate by the square root of the batch ratio)
+    uv run tinker_dpo.py --data my_pairs.jsonl --epochs 3 --model-name Qwen/Qwen3-8B --log-path runs/dpo1 --max-usd 5
 
 Edit:
     load_pairs(path) -> list of pairs, each {"prompt": [messages] or str, "chosen": str or an assistant

@@ -59,8 +59,9 @@ Checkpoints:
     merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
                               model's Hugging Face weights (needs torch + peft, an optional
                               extra; install torch first, then `pip install peft safetensors`).
-                              Local backend caveats: checkpoints live in that server's run
-                              folder (a new server starts empty); weights/ export is unavailable.
+                              Local backend caveats: checkpoints live in the checkpoint store
+                              of its cache folder (any later server finds them, for 30 days);
+                              weights/ export is unavailable.
 
 Edit:
     Nothing for the common case. To post-process completions, edit `render_prompt()` (turns

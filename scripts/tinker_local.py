@@ -5,6 +5,7 @@
     python scripts/tinker_local.py setup                       # once: ~2-3 min, ~2 GB (idempotent)
     python scripts/tinker_local.py run -- python scripts/tinker_sft.py --data templates/sft_example.jsonl --max-steps 2
     python scripts/tinker_local.py serve --port 8765           # foreground; Ctrl-C stops it
+    python scripts/tinker_local.py prune --all                 # start clean: delete every stored checkpoint
 
 **What it is:** the real `tinker` SDK talks over HTTP to SkyRL 0.4.0's Tinker API server
 (JAX backend, CPU) which really trains a tiny random-init Qwen3 (9.8 M parameters) carrying
@@ -25,7 +26,10 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
            in the foreground until Ctrl-C or SIGTERM.
   `run`    starts a server, runs COMMAND with that environment, stops the server and exits
            with COMMAND's exit code. Each `serve`/`run` gets its own port and run folder
-           (`<cache>/runs/<id>/`: server.log, tinker.db, checkpoints).
+           (`<cache>/runs/<id>/`: server.log, tinker.db); checkpoints go to the store
+           (`<cache>/store/`), so a tinker:// path of one server samples and restores in a later one.
+  `prune`  deletes old checkpoints from the store (`--all`: start clean); every server start
+           deletes those untouched for 30 days, then the oldest beyond 2 GB.
 
 **Requires:** Python 3.11 (the only local CPU torch wheel is cp311), pip access to PyPI for
 `setup`. Nothing else: this file uses the standard library only.
@@ -50,7 +54,7 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
 
 **Exit codes:** 0 ok · 1 setup step, server start or runtime failure (the message names the
 log file; `run` interrupts COMMAND if the server dies under it) · 2 bad usage · 130 interrupted ·
-`run`: COMMAND's own exit code.
+`run`: COMMAND's own exit code (128 + N when signal N killed it, as a shell reports it).
 
 Internals: the server itself is `tinker_local_server.py` (beside this file), run by the server
 venv's python as the API process, the engine process, the tiny-model builder and the shim checks;
@@ -741,6 +745,9 @@ def cmd_run(args) -> int:
                 raise
         finally:
             server.stop()
+    if code < 0:  # killed by signal N: exit 128 + N, as a shell reports it (not Python's 256 - N)
+        say(f"command killed by signal {-code}; server stopped; log: {server.log}")
+        return 128 - code
     say(f"command exited with {code}; server stopped; log: {server.log}")
     return code
 

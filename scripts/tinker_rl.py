@@ -163,8 +163,8 @@ def parse_args(argv=None):
         args.reward = "own"
     elif args.env != "single" or (env_step is not None and args.env == "single"):
         args.reward = "stand-in"  # multi-turn: the rehearsal scores the shipped environment's answers
-    else:
-        args.reward = "own" if args.init_from else "auto"
+    else:  # "auto" samples before the budget check: only where sampling is free (the local backend)
+        args.reward = "own" if args.init_from else "auto" if on_local_backend() else "stand-in"
     return args
 
 

@@ -6,6 +6,7 @@ a changed text fails the build. One training client is shared to keep the file f
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -276,6 +277,18 @@ def test_sampling_mistakes(service, trained):
 
 
 # ------------------------------------------------------------------ the bundle's scripts
+
+@pytest.mark.e2e
+@proves("is unknown or expired")
+def test_sampling_a_checkpoint_the_server_does_not_have_names_the_listing_command(local_tinker, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_infer.py"), "--model",
+                          "tinker://model_0badc0de/sampler_weights/final", "--prompt", "hi", "--max-tokens", "4"],
+                         capture_output=True, text=True, env=local_tinker.env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    error = json.loads(out.stdout)["error"]
+    check(error, "is unknown or expired")
+    assert "tinker_infer.py checkpoints list --run model_0badc0de" in error and "store" in error
+
 
 @pytest.mark.e2e
 @proves("error: no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
