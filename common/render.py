@@ -60,9 +60,10 @@ def load_tokenizer(name_or_path: str):
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
-    if launcher and not command.startswith("<"):  # the local backend resolves the name it serves, offline
-        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name_or_path} offline: "
-                      f"python {launcher} run --model {name_or_path} -- {command}")
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()

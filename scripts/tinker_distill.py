@@ -996,9 +996,10 @@ def load_tokenizer(name_or_path: str):
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
-    if launcher and not command.startswith("<"):  # the local backend resolves the name it serves, offline
-        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name_or_path} offline: "
-                      f"python {launcher} run --model {name_or_path} -- {command}")
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -2364,7 +2365,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 cbdb3e378c36) ====
+# ==== END SHARED CODE (sha256 b5d4be6cf659) ====
 
 
 if __name__ == "__main__":

@@ -329,9 +329,10 @@ def choose_reward(args, job, tc, context_window):
 
 def say_reward(args, job):
     """Which reward this run trains, in one line."""
-    source = (f"your reward() from the EDIT ME block, on its {job.n_train} TASKS" if args.reward == "own" and
-              job.env["env_step"] is None else "your env_step() from the EDIT ME block" if args.reward == "own"
-              else "the rehearsal's stand-in ('say something': the share of visible text)")
+    source = ("the rehearsal's stand-in ('say something': the share of visible text)" if args.reward != "own"
+              else "the calculator example's env_step() (--env calculator)" if args.env == "calculator"
+              else f"your reward() from the EDIT ME block, on its {job.n_train} TASKS" if job.env["env_step"] is None
+              else "your env_step() from the EDIT ME block")
     start = f", from {args.init_from} (weights only, fresh optimizer)" if args.init_from else ""
     say(f"reward: {source}{start}")
 
@@ -989,9 +990,10 @@ def load_tokenizer(name_or_path: str):
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
-    if launcher and not command.startswith("<"):  # the local backend resolves the name it serves, offline
-        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name_or_path} offline: "
-                      f"python {launcher} run --model {name_or_path} -- {command}")
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -2772,7 +2774,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 952d93f76029) ====
+# ==== END SHARED CODE (sha256 78a52970f6f5) ====
 
 
 if __name__ == "__main__":

@@ -1197,9 +1197,10 @@ def load_tokenizer(name_or_path: str):
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
-    if launcher and not command.startswith("<"):  # the local backend resolves the name it serves, offline
-        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name_or_path} offline: "
-                      f"python {launcher} run --model {name_or_path} -- {command}")
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -2456,7 +2457,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 9ab1b3be7fab) ====
+# ==== END SHARED CODE (sha256 93dbe4d207ec) ====
 
 
 if __name__ == "__main__":

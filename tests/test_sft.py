@@ -437,6 +437,14 @@ def test_hf_hub_offline_without_a_cached_tokenizer_names_the_fix_without_a_conne
         "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer is not in the Hugging Face cache and "
         "HF_HUB_OFFLINE=1 forbids the hub; pass --tokenizer PATH (a folder with tokenizer.json), or download it "
         "once and run with HF_HUB_OFFLINE=1")
+    # A name the local backend can serve as it is: the message also names that rehearsal, as a command
+    out = subprocess.run([sys.executable, str(SCRIPT), "--data", str(EXAMPLE), "--dry-run"], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        "; or, for a rehearsal, run it under the local backend, which serves Qwen/Qwen3-8B offline: "
+        f"python {ROOT / 'scripts' / 'tinker_local.py'} run --model Qwen/Qwen3-8B -- python {SCRIPT} --data {EXAMPLE} "
+        "--dry-run")
 
 
 @pytest.mark.e2e
