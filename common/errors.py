@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
+from pathlib import Path
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -60,6 +62,71 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+# ---- next commands: printed as the user can run them, from where they stand
+
+LOCAL_HINT = "for a free rehearsal start the local backend:"
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
+
+
+def script_command(name: str, *args) -> str:
+    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
+    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    import shlex
+
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = "python " + shlex.join([path or name, *map(str, args)])
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        command = f"python {shlex.quote(launcher)} run -- {command}"
+    return command
+
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it (python + sys.argv)."""
+    import shlex
+
+    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+
+def local_hint() -> str:
+    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    launcher = local_launcher()
+    if launcher is None:
+        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
+                "bundle's scripts/ folder)")
+    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
+
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:

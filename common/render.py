@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from errors import DataError, RenderError, say  # splice: drop
+from errors import DataError, RenderError, local_launcher, say, this_command  # splice: drop
 
 FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
 FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given
@@ -59,6 +59,11 @@ def load_tokenizer(name_or_path: str):
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
+    launcher, command = local_launcher(), this_command()
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()

@@ -9,14 +9,11 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from errors import AccessError, BudgetError, DataError, say  # splice: drop
+from errors import AccessError, BudgetError, DataError, local_hint, say  # splice: drop
 
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
-LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
-
-
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -47,14 +44,15 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
         if isinstance(e, socket.gaierror):
             reason = f"host {host} does not resolve"
         local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
-        hint = LOCAL_HINT if local else "check the network"
+        hint = local_hint() if local else "check the network"
         raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
                           f"{hint}, or fix {setting}") from None
 
 
-def require_credentials() -> str:
+def require_credentials(dry_run_hint: bool = True) -> str:
     """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
-    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login.
+    dry_run_hint: the script has --dry-run, so the error may offer it."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
@@ -64,8 +62,8 @@ def require_credentials() -> str:
     import tinker
 
     if not tinker.auth.tinker_has_credentials():
-        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-                          f"or {LOCAL_HINT}")
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), "
+                          + ("or check for free with --dry-run, " if dry_run_hint else "") + f"or {local_hint()}")
     return tinker.auth.get_tinker_token() or ""
 
 
@@ -78,13 +76,13 @@ def rest_client():
                              api_key=os.environ.get("TINKER_API_KEY") or None)
 
 
-def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name", dry_run_hint: bool = True):
     """(ServiceClient, the model's context window) after credentials, reachability and the served-model
     check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
     sampled): no served-model check, context window None."""
     import difflib
 
-    require_credentials()
+    require_credentials(dry_run_hint)
     check_reachable()
     import tinker
 

@@ -13,8 +13,9 @@
 Run:
     # audit for free (no Tinker call): renders both sides of every pair, checks the masks, estimates the cost
     uv run tinker_dpo.py --data dpo_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
-    # train
-    uv run tinker_dpo.py --data my_pairs.jsonl --model-name Qwen/Qwen3-8B --log-path runs/dpo1 --max-usd 5
+    # train: aim for about 100 steps (1,000 pairs at the default --batch-size 32 make 31 an epoch: --epochs 3;
+    # with fewer pairs lower --batch-size and scale the learning rate by the square root of the batch ratio)
+    uv run tinker_dpo.py --data my_pairs.jsonl --epochs 3 --model-name Qwen/Qwen3-8B --log-path runs/dpo1 --max-usd 5
 
 Edit:
     load_pairs(path) -> list of pairs, each {"prompt": [messages] or str, "chosen": str or an assistant
@@ -487,8 +488,10 @@ def save(tc, run, name, done, per_epoch, fmt, *, final):
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
 import json
+import os
 import signal
 import sys
+from pathlib import Path
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -545,6 +548,54 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+# ---- next commands: printed as the user can run them, from where they stand
+
+LOCAL_HINT = "for a free rehearsal start the local backend:"
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
+
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it (python + sys.argv)."""
+    import shlex
+
+    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+
+def local_hint() -> str:
+    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    launcher = local_launcher()
+    if launcher is None:
+        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
+                "bundle's scripts/ folder)")
+    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
@@ -789,6 +840,11 @@ def load_tokenizer(name_or_path: str):
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
+    launcher, command = local_launcher(), this_command()
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -1315,9 +1371,6 @@ from urllib.parse import urlsplit
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
-LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
-
-
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -1348,14 +1401,15 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
         if isinstance(e, socket.gaierror):
             reason = f"host {host} does not resolve"
         local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
-        hint = LOCAL_HINT if local else "check the network"
+        hint = local_hint() if local else "check the network"
         raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
                           f"{hint}, or fix {setting}") from None
 
 
-def require_credentials() -> str:
+def require_credentials(dry_run_hint: bool = True) -> str:
     """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
-    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login.
+    dry_run_hint: the script has --dry-run, so the error may offer it."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
@@ -1365,8 +1419,8 @@ def require_credentials() -> str:
     import tinker
 
     if not tinker.auth.tinker_has_credentials():
-        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-                          f"or {LOCAL_HINT}")
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), "
+                          + ("or check for free with --dry-run, " if dry_run_hint else "") + f"or {local_hint()}")
     return tinker.auth.get_tinker_token() or ""
 
 
@@ -1379,13 +1433,13 @@ def rest_client():
                              api_key=os.environ.get("TINKER_API_KEY") or None)
 
 
-def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name", dry_run_hint: bool = True):
     """(ServiceClient, the model's context window) after credentials, reachability and the served-model
     check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
     sampled): no served-model check, context window None."""
     import difflib
 
-    require_credentials()
+    require_credentials(dry_run_hint)
     check_reachable()
     import tinker
 
@@ -1590,7 +1644,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 f011a34566d5) ====
+# ==== END SHARED CODE (sha256 35c1e14478db) ====
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 
 Run:
     python tinker_infer.py --model Qwen/Qwen3-8B --prompt "What is 2+2?" --max-tokens 64
+    python tinker_infer.py --run logs/my-sft --prompt "Where is my invoice?"   # as trained: format, system prompt, greedy
     python tinker_infer.py --run logs/my-sft --input prompts.jsonl --out answers.jsonl --seed 0
     python tinker_infer.py --http --model tinker://RUN/sampler_weights/final --prompt "Hi" --stop "\\n"
     python tinker_infer.py checkpoints list --run RUN_ID
@@ -25,7 +26,9 @@ Routes:
       rendered here, with the model's chat template (--format chat; --thinking for hybrid
       models such as Qwen3, off by default as tinker_sft.py trains) or as plain text
       (--format raw), or exactly as a training run recorded it (--run LOG_DIR: the final
-      sampler path, template kwargs, frozen date and stop token ids from LOG_DIR/checkpoints.jsonl).
+      sampler path, template kwargs, frozen date and stop token ids from LOG_DIR/checkpoints.jsonl;
+      the system prompt every training example shared and greedy sampling, as the run's probes,
+      from LOG_DIR/config.json; --system and --temperature change them).
     HTTP (--http): Tinker's OpenAI-compatible endpoint, /chat/completions for chat and
       /completions for raw, Bearer $TINKER_API_KEY; base URL from --base-url, else
       $TINKER_BASE_URL + /oai/api/v1, else the hosted service. Retries 429 and 5xx with
@@ -56,8 +59,9 @@ Checkpoints:
     merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
                               model's Hugging Face weights (needs torch + peft, an optional
                               extra; install torch first, then `pip install peft safetensors`).
-                              Local backend caveats: checkpoints live in that server's run
-                              folder (a new server starts empty); weights/ export is unavailable.
+                              Local backend caveats: checkpoints live in the checkpoint store
+                              of its cache folder (any later server finds them, for 30 days);
+                              weights/ export is unavailable.
 
 Edit:
     Nothing for the common case. To post-process completions, edit `render_prompt()` (turns
@@ -138,7 +142,11 @@ def sample_parser() -> argparse.ArgumentParser:
                                                               "record's, else the base model's)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"default {DEFAULT_MAX_TOKENS}")
-    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help=f"default {DEFAULT_TEMPERATURE}")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"default {DEFAULT_TEMPERATURE}; with --run 0 (greedy, as the run's probes sampled)")
+    p.add_argument("--system", metavar="TEXT", default=None,
+                   help="system prompt put before --prompt/--messages that carry none (chat format; with --run "
+                        "default: the one every training example shared; '' for none)")
     p.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
     p.add_argument("--top-k", type=int, default=-1, help="default -1 (off)")
     p.add_argument("--stop", action="append", metavar="STRING", help="stop string, repeatable (the format's own "
@@ -232,19 +240,22 @@ def cmd_sample(args) -> dict:
     check_numbers(args, SAMPLE_FLAG_RULES)
     rows = load_inputs(args)
     model, recorded, tokenizer_name = resolve_target(args)
+    system = run_sampling_defaults(args, recorded)
+    sent = with_system_prompt(rows, system, (recorded or {}).get("kind") or args.format or "chat")
     if args.out:
         check_writable_dir(Path(args.out).parent, "--out's folder")
         if Path(args.out).is_dir():
             raise DataError(f"--out {args.out} is a folder; expected a JSONL file path")
     if args.http:
-        result = sample_http(args, rows, model, recorded)
+        result = sample_http(args, sent, model, recorded)
     else:
-        result = sample_sdk(args, rows, model, recorded, tokenizer_name)
+        result = sample_sdk(args, sent, model, recorded, tokenizer_name)
     pricing_model = result.get("base_model") or (model if not model.startswith("tinker://") else None)
     usd = price_samples(pricing_model, result["samples"]) if pricing_model else None
     result.update(status="ok", route="http" if args.http else "sdk", usd=usd,
                   sampling={"n": args.n, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                            "top_p": args.top_p, "top_k": args.top_k, "stop": args.stop or [], "seed": args.seed},
+                            "top_p": args.top_p, "top_k": args.top_k, "stop": args.stop or [], "seed": args.seed,
+                            "system": system},
                   out=None)
     if args.out:
         write_results(args.out, rows, result["samples"])
@@ -260,7 +271,7 @@ def sample_sdk(args, rows: list[dict], model: str, recorded: dict | None, tokeni
         check_sampler_path(model)
     # Credentials, reachability and (for a base model) the served-model check, then the tokenizer named by
     # the flags, the run record or the base model: all before the first sampling request.
-    service, _ = connect(None if is_path else model, trainable=False, flag="--model")
+    service, _ = connect(None if is_path else model, trainable=False, flag="--model", dry_run_hint=False)
     status = "errored"
     try:
         tokenizer = load_sampling_tokenizer(tokenizer_name or (None if is_path else model))
@@ -326,7 +337,7 @@ def sample_http(args, rows: list[dict], model: str, recorded: dict | None) -> di
 
     if model.startswith("tinker://"):
         check_sampler_path(model)
-    key = require_credentials()
+    key = require_credentials(dry_run_hint=False)
     fmt = recorded or {"kind": args.format or "chat"}
     base = oai_base_url(args)
     check_reachable(base, setting="--base-url" if args.base_url else "TINKER_BASE_URL")
@@ -419,6 +430,46 @@ def resolve_target(args) -> tuple[str, dict | None, str | None]:
     return args.model or row["sampler_path"], fmt, args.tokenizer or fmt.get("tokenizer")
 
 
+def run_sampling_defaults(args, recorded: dict | None) -> str | None:
+    """Fill --temperature (greedy with --run, as the run's probes; else Tinker's default) and return the system
+    prompt to use: --system, else with --run the one every training example shared (LOG/config.json)."""
+    config = {}
+    if args.run:
+        with contextlib.suppress(OSError, ValueError):
+            config = json.loads((Path(args.run) / "config.json").read_text(encoding="utf-8"))
+    if args.temperature is None:
+        args.temperature = (config.get("probe_sampling") or {}).get("temperature", 0.0) if args.run else DEFAULT_TEMPERATURE
+        if args.run:
+            say(f"sampling at temperature {args.temperature:g}, as the run's probes (--temperature changes it)")
+    if args.system is not None or not args.run:
+        return args.system or None
+    kind = config.get("system_prompts")
+    if kind == "shared":
+        say(f"system prompt: the one every training example of {args.run} carried ({config['system_prompt'][:60]!r}"
+            f"{'...' if len(config['system_prompt']) > 60 else ''}); --system '' samples without it")
+        return config["system_prompt"]
+    if kind == "differ":
+        say(f"note: the training examples of {args.run} carry different system prompts, so none is added; pass "
+            "--system TEXT (or --messages with a system turn) to prompt as one of them did")
+    return None
+
+
+def with_system_prompt(rows: list[dict], system: str | None, kind: str) -> list[dict]:
+    """The rows as sent: in chat format, `system` first in every row that has no system turn of its own."""
+    if not system:
+        return rows
+    if kind != "chat":
+        say("note: --system applies to the chat format only; this run samples raw text, so it is not used")
+        return rows
+    out = []
+    for row in rows:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        if messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        out.append({"messages": messages})
+    return out
+
+
 def read_run_record(log_dir: str) -> list[dict]:
     """The rows of LOG_DIR/checkpoints.jsonl (a torn last line from a kill is skipped, as on --resume)."""
     rows_file = Path(log_dir) / "checkpoints.jsonl"
@@ -438,7 +489,7 @@ def latest_row(rows: list[dict], kind: str, where: str) -> dict:
             return row
     other = "state" if kind == "sampler" else "sampler"
     raise DataError(f"{where} records no {key}; it has only {other} checkpoints; next: "
-                    f"tinker_infer.py checkpoints resolve {where} --kind {other}")
+                    + script_command("tinker_infer.py", "checkpoints", "resolve", where, "--kind", other))
 
 
 def load_sampling_tokenizer(name_or_path: str | None):
@@ -482,7 +533,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
     parts = path[len("tinker://"):].split("/")
     if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
         raise DataError(f"{path} is not a checkpoint path; expected tinker://RUN_ID/sampler_weights/NAME "
-                        "(or weights/, external_weights/); next: tinker_infer.py checkpoints list")
+                        "(or weights/, external_weights/); next: " + script_command("tinker_infer.py", "checkpoints", "list"))
     return parts[0], parts[1], parts[2]
 
 
@@ -490,7 +541,7 @@ def run_checkpoints(run_id: str) -> list:
     """The server's checkpoints of one run, newest first ([] if it cannot list them)."""
     try:
         # Only a hint: never wait long for it (the SDK retries a dead server for minutes).
-        require_credentials()
+        require_credentials(dry_run_hint=False)
         check_reachable()
         listing = rest_client().list_checkpoints(run_id).result(timeout=20)
     except Exception:
@@ -529,12 +580,15 @@ def tinker_failure(e: Exception, what: str, model: str | None = None) -> ScriptE
     lowered = message.lower()
     if "not loaded" in lowered:
         return ScriptError(f"{what}: the server no longer has the model behind {model} loaded ({message}); "
-                           "next: sample a sampler_weights/ checkpoint of it (tinker_infer.py checkpoints list), "
+                           f"next: sample a sampler_weights/ checkpoint of it ({script_command('tinker_infer.py', 'checkpoints', 'list')}), "
                            "or restore its last save_state path")
     if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
-        hint = "tinker_infer.py checkpoints list"
-        if model and model.startswith("tinker://"):
-            hint += f" --run {parse_tinker_path(model)[0]}"
+        run = parse_tinker_path(model)[0] if model and model.startswith("tinker://") else None
+        hint = script_command("tinker_infer.py", "checkpoints", "list", *(["--run", run] if run else []))
+        if os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the local backend: what keeps a checkpoint there
+            hint += (" (local backend: checkpoints stay in the store of its cache folder for "
+                     "30 days, the oldest pruned beyond 2 GB; a server started with --run-dir sees only that "
+                     "folder's; `tinker_local.py prune --all` deletes them)")
         return DataError(f"{what}: {model or 'the checkpoint'} is unknown or expired ({message}); next: {hint}")
     if isinstance(e, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
         return DataError(f"{what}: the server rejected the request ({message})")
@@ -643,7 +697,7 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
         cost = f" | est. ${s['usd']:.6f}" if s.get("usd") is not None else ""
         say(f"--- prompt {s['prompt_index']} sample {s['sample_index']} | stop: {s['stop_reason']} | "
             f"tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion{cost}")
-        say(f"> {str(prompt)[:200]}")
+        say(f"> {str(prompt)[:200]}  ({s['prompt_tokens']} prompt tokens as rendered)")
         say(s["text"])
     cost = f"${usd:.6f}" if usd is not None else "no dollar estimate (tinker_pricing.py not beside this script, or model unpriced)"
     say(f"=== {len(result['samples'])} samples from {result['model']} ({result['format']['kind']} format) | est. cost {cost}")
@@ -653,7 +707,7 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
 def cmd_list(args) -> dict:
     check_numbers(args, {"limit": dict(low=0)})
     run = run_id_of(args.run) if args.run else None
-    require_credentials()
+    require_credentials(dry_run_hint=False)
     check_reachable()
     import tinker
 
@@ -699,7 +753,7 @@ def cmd_resolve(args) -> dict:
                   "step": row.get("step"), "name": row.get("name"), "format": row.get("format")}
     else:
         run = run_id_of(args.target)
-        require_credentials()
+        require_credentials(dry_run_hint=False)
         check_reachable()
         wanted = "sampler" if args.kind == "sampler" else "training"
         try:
@@ -744,7 +798,7 @@ def cmd_export(args) -> dict:
     out = check_writable_dir(args.out, "--out")
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise DataError(f"{out} exists and is not empty; pass --overwrite or another --out")
-    key = require_credentials()
+    key = require_credentials(dry_run_hint=False)
     check_reachable()
     out.parent.mkdir(parents=True, exist_ok=True)
     # Everything lands in a hidden folder beside --out first: a failed export leaves no half-written --out.
@@ -1060,8 +1114,10 @@ def cmd_merge(args) -> dict:
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
 import json
+import os
 import signal
 import sys
+from pathlib import Path
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -1114,6 +1170,70 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+# ---- next commands: printed as the user can run them, from where they stand
+
+LOCAL_HINT = "for a free rehearsal start the local backend:"
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
+
+
+def script_command(name: str, *args) -> str:
+    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
+    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    import shlex
+
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = "python " + shlex.join([path or name, *map(str, args)])
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        command = f"python {shlex.quote(launcher)} run -- {command}"
+    return command
+
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it (python + sys.argv)."""
+    import shlex
+
+    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+
+def local_hint() -> str:
+    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    launcher = local_launcher()
+    if launcher is None:
+        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
+                "bundle's scripts/ folder)")
+    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
@@ -1324,6 +1444,11 @@ def load_tokenizer(name_or_path: str):
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
+    launcher, command = local_launcher(), this_command()
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -1769,9 +1894,6 @@ from urllib.parse import urlsplit
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
-LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
-
-
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -1802,14 +1924,15 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
         if isinstance(e, socket.gaierror):
             reason = f"host {host} does not resolve"
         local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
-        hint = LOCAL_HINT if local else "check the network"
+        hint = local_hint() if local else "check the network"
         raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
                           f"{hint}, or fix {setting}") from None
 
 
-def require_credentials() -> str:
+def require_credentials(dry_run_hint: bool = True) -> str:
     """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
-    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login.
+    dry_run_hint: the script has --dry-run, so the error may offer it."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
@@ -1819,8 +1942,8 @@ def require_credentials() -> str:
     import tinker
 
     if not tinker.auth.tinker_has_credentials():
-        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-                          f"or {LOCAL_HINT}")
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), "
+                          + ("or check for free with --dry-run, " if dry_run_hint else "") + f"or {local_hint()}")
     return tinker.auth.get_tinker_token() or ""
 
 
@@ -1833,13 +1956,13 @@ def rest_client():
                              api_key=os.environ.get("TINKER_API_KEY") or None)
 
 
-def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name", dry_run_hint: bool = True):
     """(ServiceClient, the model's context window) after credentials, reachability and the served-model
     check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
     sampled): no served-model check, context window None."""
     import difflib
 
-    require_credentials()
+    require_credentials(dry_run_hint)
     check_reachable()
     import tinker
 
@@ -1872,7 +1995,7 @@ def load_pricing():
         return importlib.import_module("tinker_pricing")
     except ImportError:
         return None
-# ==== END SHARED CODE (sha256 17631f5b1a81) ====
+# ==== END SHARED CODE (sha256 8db762e5c5b0) ====
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
     python scripts/tinker_local.py setup                       # once: ~2-3 min, ~2 GB (idempotent)
     python scripts/tinker_local.py run -- python scripts/tinker_sft.py --data templates/sft_example.jsonl --max-steps 2
     python scripts/tinker_local.py serve --port 8765           # foreground; Ctrl-C stops it
+    python scripts/tinker_local.py prune --all                 # start clean: delete every stored checkpoint
 
 **What it is:** the real `tinker` SDK talks over HTTP to SkyRL 0.4.0's Tinker API server
 (JAX backend, CPU) which really trains a tiny random-init Qwen3 (9.8 M parameters) carrying
@@ -25,7 +26,10 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
            in the foreground until Ctrl-C or SIGTERM.
   `run`    starts a server, runs COMMAND with that environment, stops the server and exits
            with COMMAND's exit code. Each `serve`/`run` gets its own port and run folder
-           (`<cache>/runs/<id>/`: server.log, tinker.db, checkpoints).
+           (`<cache>/runs/<id>/`: server.log, tinker.db); checkpoints go to the store
+           (`<cache>/store/`), so a tinker:// path of one server samples and restores in a later one.
+  `prune`  deletes old checkpoints from the store (`--all`: start clean); every server start
+           deletes those untouched for 30 days, then the oldest beyond 2 GB.
 
 **Requires:** Python 3.11 (the only local CPU torch wheel is cp311), pip access to PyPI for
 `setup`. Nothing else: this file uses the standard library only.
@@ -50,7 +54,7 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
 
 **Exit codes:** 0 ok · 1 setup step, server start or runtime failure (the message names the
 log file; `run` interrupts COMMAND if the server dies under it) · 2 bad usage · 130 interrupted ·
-`run`: COMMAND's own exit code.
+`run`: COMMAND's own exit code (128 + N when signal N killed it, as a shell reports it).
 
 Internals: the server itself is `tinker_local_server.py` (beside this file), run by the server
 venv's python as the API process, the engine process, the tiny-model builder and the shim checks;
@@ -65,6 +69,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -91,6 +96,12 @@ MAX_LORA_RANK = 32       # the SDK's default rank is 32
 SESSION_TIMEOUT_SEC = 30  # the SDK heartbeats every 10 s; a dead client's adapter is freed after this
 SESSION_CLEANUP_INTERVAL_SEC = 5
 KEEP_RUNS = 20           # run folders kept under <cache>/runs (oldest pruned at start)
+# The checkpoint store (<cache>/store/): checkpoints outlive their server, as on Tinker. Bounded at every
+# server start and by `prune`: a model's folder goes when nothing in it changed for STORE_KEEP_DAYS, and
+# the oldest go first while the store is above STORE_MAX_GB (a rank-32 save_state of the tiny model is
+# 0.7 MB and its sampler save 0.3 MB, measured: thousands fit).
+STORE_KEEP_DAYS = 30
+STORE_MAX_GB = 2.0
 
 # Install order matters: torch first (from the local CPU wheel; never let pip pick torch),
 # then these exact pins, then skyrl with --no-deps --ignore-requires-python, because skyrl
@@ -319,7 +330,9 @@ def seed_hf_cache(home: Path, model: str) -> Path:
 def client_env(base_url: str, home: Path) -> dict[str, str]:
     """The variables a script needs to talk to the local server instead of Tinker."""
     return {"TINKER_BASE_URL": base_url, "TINKER_API_KEY": API_KEY, "HF_HUB_OFFLINE": "1",
-            "HF_HOME": str(hf_home(home)), "TINKER_TELEMETRY": "0"}
+            "HF_HOME": str(hf_home(home)), "TINKER_TELEMETRY": "0",
+            # lets a script print next commands that wrap themselves in this launcher, wherever it lives
+            "TINKER_LOCAL_LAUNCHER": str(Path(__file__).resolve())}
 
 
 def _server_env(home: Path) -> dict[str, str]:
@@ -341,14 +354,17 @@ class Server:
     """A running local backend: one process group (API process + engine)."""
 
     def __init__(self, proc: subprocess.Popen, base_url: str, run_dir: Path, home: Path,
-                 model: str, ready_seconds: float):
+                 model: str, ready_seconds: float, checkpoints: Path | None = None):
         self.proc, self.base_url, self.run_dir, self.home = proc, base_url, run_dir, home
         self.model, self.ready_seconds = model, ready_seconds
+        self.checkpoints = checkpoints or store_dir(home)
         self.log = run_dir / "server.log"
         self.env = client_env(base_url, home)
 
     def stop(self, grace_sec: float = 15.0) -> None:
         stop_group(self.proc, grace_sec)
+        with contextlib.suppress(OSError):
+            drop_ephemeral_saves(self.checkpoints, owner=self.run_dir)
 
     def __enter__(self) -> Server:
         return self
@@ -419,6 +435,134 @@ def _new_run_dir(home: Path) -> Path:
     return run_dir
 
 
+# ---------------------------------------------------------------- the checkpoint store
+#
+# One folder of checkpoints shared by every server of a cache home, apart from each server's database:
+# skyrl's engine finds its work by polling its database for pending requests, so two servers sharing one
+# SQLite file would take each other's requests. Each server therefore keeps its own database (in its run
+# folder) and writes its models' checkpoints into <cache>/store/<model_id>/, with a model.json (base model,
+# LoRA config, the server that made it); a server asked for a model or checkpoint its database lacks reads
+# that folder and records it (tinker_local_server.py, apply_store_shims). A model's folder has one writer,
+# the server that created the model (a restore makes a new model id); ids are drawn so that they never
+# repeat one in the store; a checkpoint appears under its final name only when complete.
+
+
+def store_dir(home: Path) -> Path:
+    return home / "store"
+
+
+def _live_server_pid(run_dir: Path) -> int | None:
+    """The pid of a live server using `run_dir` (its database, or as the owner of store models), else None."""
+    try:
+        pid = int(json.loads((run_dir / "server.json").read_text())["pid"])
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return pid if str(run_dir) in cmdline else None
+
+
+def _model_owner_live(folder: Path) -> bool:
+    """A live server may still write this model folder (its owner runs, or it is being created)."""
+    try:
+        owner = json.loads((folder / "model.json").read_text()).get("server")
+    except (OSError, ValueError, AttributeError):
+        return time.time() - folder.stat().st_mtime < 3600  # no model.json yet: being created, or foreign
+    return bool(owner) and _live_server_pid(Path(owner)) is not None
+
+
+def _folder_stats(folder: Path) -> tuple[float, int]:
+    """(newest mtime, bytes) of everything under `folder`."""
+    newest, size = folder.stat().st_mtime, 0
+    for root, dirs, files in os.walk(folder):
+        for name in files + dirs:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(root, name))
+                newest = max(newest, st.st_mtime)
+                size += st.st_size if name in files else 0
+    return newest, size
+
+
+EPHEMERAL_SAMPLER = re.compile(r"ss\d+_seq\d+\.tar\.gz")  # save_weights_and_get_sampling_client's saves
+
+
+def drop_ephemeral_saves(store: Path, owner: Path | None = None) -> int:
+    """Delete the sampler saves made for save_weights_and_get_sampling_client (named ss<N>_seq<M>): only the
+    server that made them can sample them, so they are dead once it stops. owner: only that server's models
+    (None: every model whose server is not running). Returns the bytes freed."""
+    freed = 0
+    if not store.is_dir():
+        return 0
+    for folder in store.iterdir():
+        samplers = folder / "sampler_weights"
+        if not samplers.is_dir():
+            continue
+        try:
+            made_by = json.loads((folder / "model.json").read_text()).get("server")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if owner is not None and made_by != str(owner):
+            continue
+        if owner is None and made_by and _live_server_pid(Path(made_by)) is not None:
+            continue
+        for f in samplers.iterdir():
+            if EPHEMERAL_SAMPLER.fullmatch(f.name):
+                with contextlib.suppress(OSError):
+                    freed += f.stat().st_size
+                    f.unlink()
+    return freed
+
+
+def prune(home: Path, *, older_than_days: float | None = STORE_KEEP_DAYS, max_gb: float | None = STORE_MAX_GB,
+          everything: bool = False, dry_run: bool = False) -> dict:
+    """Bound the store: delete model folders untouched for `older_than_days`, then the oldest while the store
+    holds more than `max_gb`; `everything`: every model folder and run folder no live server uses (start
+    clean). A model a live server owns is never deleted. Returns what was (or, dry_run, would be) deleted."""
+    store = store_dir(home)
+    freed = 0 if dry_run else drop_ephemeral_saves(store)
+    models = []
+    for folder in sorted(store.iterdir()) if store.is_dir() else []:
+        if folder.is_dir() and not folder.name.startswith("."):
+            newest, size = _folder_stats(folder)
+            models.append((newest, size, folder))
+    models.sort()  # oldest first
+    total = sum(size for _, size, _ in models)
+    removed, kept_live = [], 0
+    cutoff = None if older_than_days is None else time.time() - older_than_days * 86400
+    for newest, size, folder in models:
+        over = max_gb is not None and total > max_gb * 2**30
+        if not (everything or over or (cutoff is not None and newest < cutoff)):
+            continue
+        if _model_owner_live(folder):
+            kept_live += 1
+            continue
+        removed.append(folder.name)
+        total -= size
+        freed += size
+        if not dry_run:
+            _remove_tree(folder)
+    runs_removed = []
+    if everything and (home / "runs").is_dir():
+        for run_dir in sorted((home / "runs").iterdir()):
+            if run_dir.is_dir() and _live_server_pid(run_dir) is None:
+                runs_removed.append(run_dir.name)
+                if not dry_run:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"store": str(store), "models_removed": len(removed), "removed": removed,
+            "bytes_freed": freed, "models_kept": len(models) - len(removed),
+            "kept_because_a_server_uses_them": kept_live, "bytes_kept": total,
+            "run_folders_removed": len(runs_removed), "dry_run": dry_run}
+
+
+def _remove_tree(folder: Path) -> None:
+    """Rename first, then delete: a reader never sees half a model folder under its name."""
+    trash = folder.with_name(f".deleting-{folder.name}-{os.getpid()}")
+    try:
+        os.replace(folder, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None = None,
                  home: Path | None = None, run_dir: Path | None = None,
                  ready_timeout: float = READY_TIMEOUT_SEC, weights: Path | None = None,
@@ -426,11 +570,21 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
                  session_timeout_sec: int = SESSION_TIMEOUT_SEC, max_context: int | None = None) -> Server:
     """Start the server on 127.0.0.1 and return once the engine is ready (raises LocalError)."""
     venv, home = venv or resolve_venv(), home or resolve_home()
+    own_run_dir = run_dir is not None
     if not is_set_up(venv, home):
         raise LocalError(f"the local backend is not set up in {venv}; run "
                          "`python scripts/tinker_local.py setup` first")
-    run_dir = Path(run_dir) if run_dir else _new_run_dir(home)
+    if run_dir is not None and _live_server_pid(Path(run_dir).resolve()) is not None:
+        raise LocalError(f"--run-dir {run_dir} is in use by a running server (pid "
+                         f"{_live_server_pid(Path(run_dir).resolve())}): two servers on one database take each "
+                         "other's requests; omit --run-dir (checkpoints are shared through the store anyway) "
+                         "or stop that server")
+    run_dir = Path(run_dir).resolve() if run_dir else _new_run_dir(home)
     run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = checkpoints_folder(home, run_dir, own_run_dir)
+    if not own_run_dir:
+        with contextlib.suppress(OSError):  # the bound; a failure here must not stop a rehearsal
+            prune(home)
     log = run_dir / "server.log"
     ready_file = run_dir / "engine.ready"
     ready_file.unlink(missing_ok=True)
@@ -457,11 +611,12 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
            "--backend", "jax", "--backend-config", json.dumps(backend_config),
            "--session-timeout-sec", str(session_timeout_sec),
            "--session-cleanup-interval-sec", str(SESSION_CLEANUP_INTERVAL_SEC),
-           "--checkpoints-base", str(run_dir / "checkpoints"),
+           "--checkpoints-base", str(checkpoints),
            "--database-url", f"sqlite:///{run_dir / 'tinker.db'}",
            "--external-inference-lora-base", str(run_dir / "lora_models")]
     env = _server_env(home)
     env["TINKER_LOCAL_READY_FILE"] = str(ready_file)
+    env["TINKER_LOCAL_RUN_DIR"] = str(run_dir)  # the owner recorded in the store's model.json
     env["TINKER_LOCAL_MAX_CONTEXT"] = str(max_context or tinker_context_window(model))
     started = time.monotonic()
     with open(log, "ab") as out:
@@ -484,7 +639,13 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
         raise
     (run_dir / "server.json").write_text(json.dumps(
         {"base_url": base_url, "pid": proc.pid, "model": model}, indent=1))
-    return Server(proc, base_url, run_dir, home, model, time.monotonic() - started)
+    return Server(proc, base_url, run_dir, home, model, time.monotonic() - started, checkpoints)
+
+
+def checkpoints_folder(home: Path, run_dir: Path, own_run_dir: bool) -> Path:
+    """Where a server keeps checkpoints: the shared store, or, for a --run-dir given by the user, that
+    folder's checkpoints/ (a self-contained rehearsal, as before the store)."""
+    return run_dir / "checkpoints" if own_run_dir else store_dir(home)
 
 
 def tinker_context_window(model: str) -> int:
@@ -584,14 +745,33 @@ def cmd_run(args) -> int:
                 raise
         finally:
             server.stop()
+    if code < 0:  # killed by signal N: exit 128 + N, as a shell reports it (not Python's 256 - N)
+        say(f"command killed by signal {-code}; server stopped; log: {server.log}")
+        return 128 - code
     say(f"command exited with {code}; server stopped; log: {server.log}")
     return code
+
+
+def cmd_prune(args) -> int:
+    if args.all and (args.older_than is not None or args.max_gb is not None):
+        raise UsageError("--all deletes every checkpoint no running server uses; drop --older-than/--max-gb")
+    result = prune(args.home, everything=args.all, dry_run=args.dry_run,
+                   older_than_days=STORE_KEEP_DAYS if args.older_than is None else args.older_than,
+                   max_gb=STORE_MAX_GB if args.max_gb is None else args.max_gb)
+    verb = "would delete" if args.dry_run else "deleted"
+    say(f"{verb} {result['models_removed']} model folder(s), {result['bytes_freed'] / 2**20:.1f} MB, from "
+        f"{result['store']}; {result['models_kept']} kept ({result['bytes_kept'] / 2**20:.1f} MB)"
+        + (f", {result['kept_because_a_server_uses_them']} of them used by a running server"
+           if result["kept_because_a_server_uses_them"] else ""))
+    print(json.dumps(result))
+    return 0
 
 
 def cmd_setup(args) -> int:
     t0 = time.monotonic()
     result = setup(args.venv, args.home, args.python, args.model)
-    say(f"setup finished in {time.monotonic() - t0:.1f} s")
+    say(f"setup finished in {time.monotonic() - t0:.1f} s; the tokenizer folder standing in for {args.model} "
+        f"(for --tokenizer in an offline dry run): {result['tokenizer_dir']}")
     print(json.dumps(result))
     return 0
 
@@ -620,8 +800,9 @@ def main(argv: list[str] | None = None) -> int:
     serving = argparse.ArgumentParser(add_help=False)
     serving.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     serving.add_argument("--run-dir", type=Path, default=None,
-                         help="folder for the log, database and checkpoints (default: a new one "
-                              "under <cache>/runs/)")
+                         help="a self-contained folder for the log, database and checkpoints, apart from "
+                              "the store; reuse it to continue (default: log and database in a new "
+                              "<cache>/runs/<id>/, checkpoints in the shared <cache>/store/)")
     serving.add_argument("--ready-timeout", type=float,
                          default=float(os.environ.get("TINKER_LOCAL_READY_TIMEOUT", READY_TIMEOUT_SEC)),
                          help="seconds to wait for the engine (default %(default)s)")
@@ -640,10 +821,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", parents=[common, serving],
                        help="start a server, run COMMAND with its environment, stop the server")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p = sub.add_parser("prune", parents=[common],
+                       help="delete old checkpoints from the store (--all: start clean)",
+                       description="The store keeps every server's checkpoints (<cache>/store/). Every server "
+                                   f"start deletes model folders untouched for {STORE_KEEP_DAYS} days, then the "
+                                   f"oldest while it holds more than {STORE_MAX_GB:g} GB; prune does it now, "
+                                   "with other bounds. A model a running server owns is never deleted.")
+    p.add_argument("--older-than", type=float, default=None, metavar="DAYS",
+                   help=f"delete models untouched for DAYS (default {STORE_KEEP_DAYS}; 0: every model)")
+    p.add_argument("--max-gb", type=float, default=None,
+                   help=f"then delete the oldest while the store is above this (default {STORE_MAX_GB:g})")
+    p.add_argument("--all", action="store_true",
+                   help="start clean: every checkpoint and run folder no running server uses")
+    p.add_argument("--dry-run", action="store_true", help="list what would go; delete nothing")
     try:
         args = parser.parse_args(argv)
         args.venv, args.home = resolve_venv(args.venv), resolve_home(args.home)
-        return {"setup": cmd_setup, "serve": cmd_serve, "run": cmd_run}[args.sub](args)
+        return {"setup": cmd_setup, "serve": cmd_serve, "run": cmd_run, "prune": cmd_prune}[args.sub](args)
     except UsageError as exc:
         say(f"error: {exc}")
         return 2

@@ -35,6 +35,12 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      silent_sessions_never_expire                 sessions with no heartbeat expire   none known
      stale_gradients_survive_slot_reuse           a new model starts with zero grads  none known
      sampling_a_checkpoint_needs_its_training_model  checkpoints get their own slots  none known
+  E. Checkpoints that outlive their server (the store, tinker_local.py)
+     checkpoints_die_with_their_server  a model or checkpoint missing from this server's
+                                 database is read from the checkpoints folder (model.json +
+                                 files) and recorded; every model writes its model.json;
+                                 saves appear under their final name only when complete;
+                                 new model ids never repeat one in the folder   none known
   D. Features Tinker has and skyrl lacks
      no_openai_endpoint          /oai/api/v1/completions and /chat/completions  none known
      jax_backend_without_gspo    loss_fn="gspo" (Tinker's GSPO-token) on the JAX backend, with
@@ -83,6 +89,7 @@ def main(argv: list[str]) -> int:
     _exit_with_parent()
     if role == "engine":
         apply_engine_shims()
+        apply_engine_store_shims()
         from skyrl.tinker import engine
         sys.argv = ["skyrl.tinker.engine", *rest]
         engine.main()
@@ -94,6 +101,7 @@ def main(argv: list[str]) -> int:
         from skyrl.utils.log import get_uvicorn_log_config
 
         apply_api_shims(api)
+        apply_store_shims(api)
         add_openai_routes(api.app)
         parser = argparse.ArgumentParser(prog="tinker_local_server.py api")
         add_model(parser, EngineConfig)
@@ -591,6 +599,192 @@ def apply_engine_shims() -> None:
     engine.TinkerEngine.run = run_and_signal_ready
 
 
+# ---------------------------------------------------------------- E. the checkpoint store
+
+STORE_SESSION = "store"  # the session recorded as owning models read from the store
+EPHEMERAL_SAMPLER = "ss{}_seq{}"  # skyrl's name for a save_weights_and_get_sampling_client save
+
+
+def store_model_folder(base: Path, model_id: str) -> Path | None:
+    """The model's folder in the checkpoints folder, or None for an id that is not one folder name."""
+    if not model_id or "/" in model_id or model_id.startswith(".") or "\0" in model_id:
+        return None
+    return base / model_id
+
+
+def stored_checkpoints(folder: Path):
+    """(name, "training"|"sampler", mtime) of every complete checkpoint in a model folder (a save in
+    progress has a hidden temporary name; save_weights_and_get_sampling_client's saves are skipped: only
+    their own server can sample them)."""
+    import re
+    for sub, kind in ((folder, "training"), (folder / "sampler_weights", "sampler")):
+        with contextlib.suppress(OSError):
+            for entry in sub.iterdir():
+                name = entry.name
+                if name.startswith(".") or not name.endswith(".tar.gz") or name == "sampler_weights":
+                    continue
+                name = name[: -len(".tar.gz")]
+                if kind == "sampler" and re.fullmatch(r"ss\d+_seq\d+", name):
+                    continue
+                yield name, kind, entry.stat().st_mtime
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def apply_store_shims(api) -> None:
+    """E. Checkpoints outlive their server. tinker_local.py gives every server its own database and points
+    all of them at one checkpoints folder (the store). A model, or a checkpoint, this server's database
+    does not know is looked up there: its folder's model.json (base model, LoRA config) and checkpoint
+    files are recorded in this database, so a tinker:// path of an earlier or another server samples,
+    restores and lists here. New model and session ids never repeat a folder already in the store."""
+    import asyncio
+    from datetime import datetime, timezone
+
+    from fastapi import HTTPException, Request
+    from skyrl.tinker import types
+    from skyrl.tinker.db_models import CheckpointDB, CheckpointStatus, SessionDB
+
+    for name in ("get_model", "validate_checkpoint", "uuid4", "list_checkpoints", "ModelDB"):
+        assert hasattr(api, name), f"skyrl.tinker.api.{name} is gone: the store shims need skyrl==0.4.0"
+    get_model, validate_checkpoint, uuid4 = api.get_model, api.validate_checkpoint, api.uuid4
+    locks: dict = {}
+
+    def base() -> Path:
+        return Path(str(api.app.state.engine_config.checkpoints_base))
+
+    async def import_from_store(session, model_id) -> bool:
+        """Record the model `model_id` and its checkpoints from the store; False if the store lacks it."""
+        folder = store_model_folder(base(), model_id)
+        try:
+            meta = json.loads((folder / "model.json").read_text()) if folder else None
+        except (OSError, ValueError):
+            meta = None
+        if not isinstance(meta, dict) or "lora_config" not in meta:
+            return False
+        lock = locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
+        async with lock:  # one import at a time: two requests for one new model must not both insert it
+            if await session.get(api.ModelDB, model_id) is None:
+                if await session.get(SessionDB, STORE_SESSION) is None:
+                    session.add(SessionDB(session_id=STORE_SESSION, sdk_version="store", status="finished"))
+                session.add(api.ModelDB(model_id=model_id, base_model=meta.get("base_model") or
+                                        api.app.state.engine_config.base_model, lora_config=meta["lora_config"],
+                                        status="unloaded", request_id=0, session_id=STORE_SESSION))
+            for name, kind, mtime in stored_checkpoints(folder):
+                kind = types.CheckpointType.TRAINING if kind == "training" else types.CheckpointType.SAMPLER
+                if await session.get(CheckpointDB, (model_id, name, kind)) is None:
+                    when = datetime.fromtimestamp(mtime, timezone.utc)
+                    session.add(CheckpointDB(model_id=model_id, checkpoint_id=name, checkpoint_type=kind,
+                                             status=CheckpointStatus.COMPLETED, created_at=when, completed_at=when))
+            await session.commit()
+        return True
+
+    async def get_model_or_import(session, model_id):
+        try:
+            return await get_model(session, model_id)
+        except HTTPException as e:
+            if e.status_code != 404 or not await import_from_store(session, model_id):
+                raise
+        return await get_model(session, model_id)
+
+    async def validate_checkpoint_or_import(request, unique_id, checkpoint_id, checkpoint_type, session):
+        try:
+            return await validate_checkpoint(request, unique_id, checkpoint_id, checkpoint_type, session)
+        except HTTPException as e:
+            if e.status_code != 404 or not await import_from_store(session, unique_id):
+                raise
+        return await validate_checkpoint(request, unique_id, checkpoint_id, checkpoint_type, session)
+
+    def uuid4_not_in_store():
+        """skyrl names models model_<8 hex> and sessions session_<8 hex> (restored models
+        session_<8 hex>:train:N): draw until those 8 hex digits name no folder in the store."""
+        try:
+            taken = {name.split("_", 1)[-1][:8] for name in os.listdir(base())}
+        except (OSError, AttributeError):
+            taken = set()
+        while True:
+            drawn = uuid4()
+            if drawn.hex[:8] not in taken:
+                return drawn
+
+    api.get_model = get_model_or_import
+    api.validate_checkpoint = validate_checkpoint_or_import
+    api.uuid4 = uuid4_not_in_store
+
+    # The checkpoint listing reads only the checkpoints table: record the run's stored ones first.
+    app = api.app
+    listing = next(r for r in app.router.routes
+                   if getattr(r, "path", "") == "/api/v1/training_runs/{unique_id}/checkpoints"
+                   and "GET" in getattr(r, "methods", ()))
+
+    async def list_checkpoints_with_store(unique_id: str, request: Request):
+        async for session in api.get_session(request):
+            await import_from_store(session, unique_id)
+            return await listing.endpoint(unique_id=unique_id, session=session)
+
+    list_checkpoints_with_store.__annotations__ = {"unique_id": str, "request": Request}  # real objects, see route()
+    app.add_api_route("/api/v1/training_runs/{unique_id}/checkpoints", list_checkpoints_with_store,
+                      methods=["GET"], name="list_checkpoints_with_store")
+    app.router.routes.insert(0, app.router.routes.pop())
+
+
+def apply_engine_store_shims() -> None:
+    """E, engine side: every model created writes its model.json into its store folder (base model, LoRA
+    config, the server that owns it, for tinker_local.py's prune), and a save is written under a hidden
+    temporary name and renamed when complete, so another server never reads half a checkpoint."""
+    from datetime import datetime, timezone
+
+    from skyrl.backends import jax as jax_backend
+    from skyrl.tinker import engine
+    from skyrl.tinker.db_models import ModelDB
+    from sqlmodel import Session
+
+    create = engine.TinkerEngine.process_create_model
+    save_state = jax_backend.JaxBackendImpl.save_checkpoint
+    save_sampler = jax_backend.JaxBackendImpl.save_sampler_checkpoint
+
+    def create_and_record(self, model_id, request_data):
+        output = create(self, model_id, request_data)
+        folder = store_model_folder(Path(str(self.config.checkpoints_base)), model_id)
+        if folder is not None:
+            with Session(self.db_engine) as session:
+                row = session.get(ModelDB, model_id)
+            folder.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(folder / "model.json", {
+                "model_id": model_id, "base_model": row.base_model if row else self.config.base_model,
+                "lora_config": request_data.lora_config.model_dump(mode="json"),
+                "server": os.environ.get("TINKER_LOCAL_RUN_DIR"),
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        return output
+
+    def complete_then_rename(save, output_path, *args, **kwargs):
+        final = Path(str(output_path))
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        save(tmp, *args, **kwargs)
+        if final.is_dir() and not final.is_symlink():  # a training state is a folder: replace it whole
+            trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+
+    def save_state_atomically(self, output_path, model_id):
+        complete_then_rename(lambda path: save_state(self, path, model_id), output_path)
+
+    def save_sampler_atomically(self, output_path, model_id, persist=True):
+        complete_then_rename(lambda path: save_sampler(self, path, model_id, persist=persist), output_path)
+
+    engine.TinkerEngine.process_create_model = create_and_record
+    jax_backend.JaxBackendImpl.save_checkpoint = save_state_atomically
+    jax_backend.JaxBackendImpl.save_sampler_checkpoint = save_sampler_atomically
+
+
 # ---------------------------------------------------------------- D. OpenAI-compatible endpoints
 
 
@@ -747,8 +941,10 @@ def check_shims() -> int:
         assert version(package) == wanted, f"{package} {version(package)} installed; shims need {wanted}"
     from skyrl.tinker import api
     apply_api_shims(api)
+    apply_store_shims(api)
     add_openai_routes(api.app)
     apply_engine_shims()
+    apply_engine_store_shims()
     paths = {getattr(r, "path", None) for r in api.app.router.routes}
     assert "/api/v1/sessions/{session_id}/finish" in paths
     assert "/oai/api/v1/chat/completions" in paths
@@ -796,6 +992,8 @@ def gaps_still_open() -> dict[str, bool]:
         "no_openai_endpoint": not any("completions" in (p or "") for p in paths),
         "jax_backend_without_gspo": "gspo" not in types.LOSS_TYPES,
         "sampling_waits_for_training": not hasattr(JaxBackendImpl, "sample_batch_async"),
+        "checkpoints_die_with_their_server": "model.json" not in inspect.getsource(api.get_model)
+            + inspect.getsource(api.validate_checkpoint),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
     }

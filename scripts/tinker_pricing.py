@@ -798,6 +798,9 @@ def write_new_file(path: Path, text: str, force: bool) -> None:
     import tempfile
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a project file is read by others like any (0644)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         if force:

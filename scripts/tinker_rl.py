@@ -13,8 +13,11 @@
 Run:
     # check for free (no Tinker call): renders every prompt, checks the tasks, estimates the cost
     uv run tinker_rl.py --dry-run --tokenizer PATH/TO/TOKENIZER
-    # rehearse for free on the local backend: --rehearse auto trains a task its tiny model can learn
+    # rehearse for free on the local backend: --rehearse auto trains your reward() when the tiny model's
+    # samples vary under it, else a stand-in task it can learn (the script says which)
     python tinker_local.py run -- python tinker_rl.py            # add --env calculator for multi-turn
+    # ... your own reward from an SFT rehearsal's checkpoint (its final state_path), as after SFT on Tinker
+    python tinker_local.py run -- python tinker_rl.py --init-from tinker://RUN/weights/final --log-path runs/rl
     # train: the single-turn example, then the multi-turn calculator tool-use example
     uv run tinker_rl.py --model-name Qwen/Qwen3-8B --log-path runs/rl1 --iterations 20 --max-usd 5
     uv run tinker_rl.py --env calculator --log-path runs/rl-calc --iterations 20 --max-usd 5
@@ -91,10 +94,13 @@ REASONING_MODELS = ("gpt-oss", "Kimi-K2-Thinking", "GLM-5", "Qwen3.8", "DeepSeek
 # Temperature 1.2: at 1.0 about 1 sample in 8 leaves the blank lines, at 1.5 nearly all do (measured).
 REHEARSAL_SETTINGS = dict(learning_rate=1e-2, iterations=5, batch_size=2, group_size=4, max_tokens=8,
                           temperature=1.2, max_turns=2, on_truncation="continue", lora_rank=8, save_every=0)
+# Rehearsing your own reward from a checkpoint (--init-from, e.g. an SFT rehearsal's): room for the answers
+# it was trained on, sampled as a trained policy is.
+REHEARSAL_FROM_CHECKPOINT = dict(max_tokens=32, temperature=1.0)
 # A resumed run must match these settings (and the format); config.json keeps the original ones.
 RESUME_KEYS = ("env", "rehearse", "model_name", "lora_rank", "learning_rate", "loss_fn", "loss_fn_config", "batch_size",
                "group_size", "max_tokens", "temperature", "max_turns", "on_truncation", "normalize_std",
-               "seed", "tasks_sha256")
+               "seed", "tasks_sha256", "init_from", "reward")
 
 
 def parse_args(argv=None):
@@ -107,7 +113,10 @@ def parse_args(argv=None):
                    help="the tiny-model rehearsal task and settings; auto: on when TINKER_BASE_URL is this machine")
     p.add_argument("--model-name", default="Qwen/Qwen3-8B")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
-    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--lora-rank", type=int, default=32, help="ignored with --init-from (the checkpoint's rank)")
+    p.add_argument("--init-from", default=None,
+                   help="start from a tinker://.../weights/NAME state, weights only, fresh optimizer (e.g. the "
+                        "state_path of an SFT run's final checkpoint)")
     p.add_argument("--learning-rate", type=float, default=4e-5, help="constant; RL wants 1e-6..1e-4")
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8, help="tasks (groups) per iteration")
@@ -145,9 +154,17 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.rehearse = args.rehearse == "on" or (args.rehearse == "auto" and on_local_backend())
     if args.rehearse:  # the rehearsal's settings, for every flag not given on the command line
-        p.set_defaults(**REHEARSAL_SETTINGS)
+        p.set_defaults(**{**REHEARSAL_SETTINGS, **(REHEARSAL_FROM_CHECKPOINT if args.init_from else {})})
         args = p.parse_args(argv)
         args.rehearse = True
+    # Which reward trains: "own" (reward()/env_step() of the EDIT ME block), "stand-in" (the rehearsal's task),
+    # or "auto" (a single-turn rehearsal without --init-from: own if it tells the first samples apart).
+    if not args.rehearse:
+        args.reward = "own"
+    elif args.env != "single" or (env_step is not None and args.env == "single"):
+        args.reward = "stand-in"  # multi-turn: the rehearsal scores the shipped environment's answers
+    else:  # "auto" samples before the budget check: only where sampling is free (the local backend)
+        args.reward = "own" if args.init_from else "auto" if on_local_backend() else "stand-in"
     return args
 
 
@@ -197,28 +214,35 @@ env_step = None
 def main(argv=None):
     args = parse_args(argv)
     check_settings(args)
+    run = Run(args.log_path, extra_files=("rollouts.jsonl",))
+    if args.resume and args.reward == "auto":  # the resumed run trains the reward it chose
+        args.reward = run.config().get("reward") or "auto"
     job = prepare(args)
     if args.dry_run:
         return dry_run(args, job)
 
-    run = Run(args.log_path, extra_files=("rollouts.jsonl",))
     resume_row = run.resume_point(resume=args.resume, overwrite=args.overwrite)
     check_context(args, job, args.context_window)
     service, context_window = connect(args.model_name)
     context_window = args.context_window or context_window
     check_context(args, job, context_window)
+    start = resume_row["next_iteration"] if resume_row else 0
+    tc = None
+    if args.reward == "auto":  # a free local rehearsal: does the user's reward tell the first samples apart?
+        tc = training_client(service, args.model_name, args.lora_rank, args.seed, init_from=args.init_from)
+        job = choose_reward(args, job, tc, context_window)
+    say_reward(args, job)
     config = run_config(args, job, context_window)
     if resume_row:
         run.check_resume(config, RESUME_KEYS)
-    start = resume_row["next_iteration"] if resume_row else 0
     config["estimate_usd"] = estimate_total(estimate_cost(args, job, context_window, start))  # exit 3: folder unchanged
     if resume_row:  # rows past the checkpoint will be produced again
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             run.rewind(name, lambda row: row.get("iteration", -1) < start)
     else:
         run.begin(config)
-    tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
-                         position=f"iteration {start}")
+    tc = tc or training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
+                               position=f"iteration {start}", init_from=args.init_from)
     ro = Rollouts(job, args, context_window)
     cost = CostMeter(args.model_name, run, context=context_window)  # cost/* per row, priced as the estimate
     rewards_seen = [r["reward_mean"] for r in run.rows("metrics.jsonl")]
@@ -237,8 +261,10 @@ def main(argv=None):
                          if args.eval_every and it % args.eval_every == 0 else {})
             t1 = time.time()
             batch = build_batch(groups, args.normalize_std, it, args.max_staleness)
-            if it == 0 and batch.tied == len(groups) and not args.rehearse:  # nothing to learn from, ever
-                raise DataError(tied_message(groups))
+            if it == 0 and it == start:  # the reward on the first samples, before any training
+                say(reward_summary(groups, "reward() (EDIT ME)" if args.reward == "own" else "the stand-in reward"))
+            if it == 0 and batch.tied == len(groups) and args.reward == "own":  # nothing to learn from, ever
+                raise DataError(tied_message(groups, args))
             fb_metrics = {}
             if batch.datums:
                 result = train_step(tc, batch.datums, args.loss_fn, job.loss_config, args.learning_rate,
@@ -270,10 +296,57 @@ def main(argv=None):
           "state_path": final["state_path"], "sampler_path": final["sampler_path"],
           "reward": {"first": rewards_seen[0] if rewards_seen else None,
                      "last": rewards_seen[-1] if rewards_seen else None},
-          "loss_fn": args.loss_fn, "format": job.fmt,
+          "loss_fn": args.loss_fn, "reward_source": args.reward, "init_from": args.init_from, "format": job.fmt,
           "sampling": {"model_path": final["sampler_path"], "stop": job.fmt["stop"],
-                       "hint": f"python tinker_infer.py --run {run.path}"}})
+                       "hint": script_command("tinker_infer.py", "--run", run.path)}})
     return 0
+
+
+def choose_reward(args, job, tc, context_window):
+    """A single-turn rehearsal without --init-from: sample the first iteration's groups (free, locally) and
+    train the user's reward() when it tells some samples apart, else the stand-in task (said, with why).
+    Returns the job to train."""
+    import asyncio
+
+    ro = Rollouts(job, args, context_window)
+    tasks = batch_tasks(0, job.n_train, args.batch_size, args.seed)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    with ro.pools():
+        groups = asyncio.run(ro.batch(sampler, tasks, [group_seed(args.seed, 0, s) for s in range(len(tasks))], 0))
+    say(reward_summary(groups, "reward() (EDIT ME)"))
+    if build_batch(groups).tied < len(groups):
+        args.reward = "own"
+        return job
+    args.reward = "stand-in"
+    say("the tiny random model's samples all score alike under reward(), so it cannot learn it: the rehearsal "
+        "trains the stand-in task instead (the pipeline is the same). To rehearse your own reward, start from a "
+        "checkpoint that writes your answers, e.g. an SFT rehearsal's: --init-from tinker://RUN/weights/final "
+        "(its state_path)")
+    job = prepare(args)
+    check_context(args, job, context_window)
+    return job
+
+
+def say_reward(args, job):
+    """Which reward this run trains, in one line."""
+    source = ("the rehearsal's stand-in ('say something': the share of visible text)" if args.reward != "own"
+              else "the calculator example's env_step() (--env calculator)" if args.env == "calculator"
+              else f"your reward() from the EDIT ME block, on its {job.n_train} TASKS" if job.env["env_step"] is None
+              else "your env_step() from the EDIT ME block")
+    start = f", from {args.init_from} (weights only, fresh optimizer)" if args.init_from else ""
+    say(f"reward: {source}{start}")
+
+
+def reward_summary(groups, what):
+    """The reward on a batch of groups: distribution and tied groups (a constant reward teaches nothing)."""
+    import collections
+
+    rewards = [e.reward for g in groups for e in g.episodes]
+    tied = sum(1 for g in groups if max(e.reward for e in g.episodes) - min(e.reward for e in g.episodes) < 1e-9)
+    values = collections.Counter(round(r, 4) for r in rewards)
+    shown = ", ".join(f"{v:g} x{c}" for v, c in values.most_common(5)) + (" ..." if len(values) > 5 else "")
+    return (f"{what} on the first {len(rewards)} samples ({len(groups)} groups): mean {sum(rewards) / len(rewards):.3f}, "
+            f"min {min(rewards):.3g}, max {max(rewards):.3g}; values {shown}; tied groups {tied}/{len(groups)}")
 
 
 def dry_run(args, job):
@@ -317,6 +390,8 @@ def check_settings(args):
     if args.log_path is None:
         args.log_path = f"runs/rl-{args.env}"
     check_writable_dir(args.log_path, "--log-path")
+    if args.init_from:
+        check_tinker_path(args.init_from, "weights")
     loss_fn_config(args)  # flag combinations, checked here so the dry run refuses them too
 
 
@@ -353,7 +428,7 @@ class Job:
 
 def prepare(args) -> Job:
     """Tasks, tokenizer, format and rendered prompts; everything checked that can be without Tinker."""
-    env = load_env(args.env, args.rehearse)
+    env = load_env(args.env, args.rehearse, args.reward)
     if not env["tasks"]:
         raise DataError(f"the task list of --env {args.env} is empty; fill TASKS in the EDIT ME block")
     if args.eval_every and not env["eval_tasks"]:
@@ -422,11 +497,13 @@ def estimate_cost(args, job, context_window, start=0):
     return estimate(args.model_name, tokens, args.max_usd, label=label, context=context_window)
 
 
-def tied_message(groups):
+def tied_message(groups, args=None):
     rewards = sorted({e.reward for g in groups for e in g.episodes})
-    return (f"the base policy ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
+    policy = f"the policy from {args.init_from}" if args is not None and args.init_from else "the base policy"
+    return (f"{policy} ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
             "no gradient. Make the tasks easier (reward floor) or harder (ceiling), give partial credit in "
-            "reward(), or raise --group-size / --temperature; nothing was trained")
+            "reward(), raise --group-size / --temperature, or SFT first and start from its checkpoint with "
+            "--init-from tinker://RUN/weights/final; nothing was trained")
 
 
 def training_failure(e, args, run, it, start):
@@ -573,7 +650,7 @@ def _safe_eval(expression):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def load_env(name, rehearse=False):
+def load_env(name, rehearse=False, reward_source="stand-in"):
     """The pieces of one example: tasks, render_prompt, reward, env_step (None = single-turn), tools."""
     if name == "calculator":
         if SIMULATED_USER_TEMPERATURE > 0:
@@ -586,6 +663,11 @@ def load_env(name, rehearse=False):
         env = dict(tasks=TASKS, eval_tasks=EVAL_TASKS, render_prompt=render_prompt, reward=reward, env_step=env_step,
                    tools=None)
     if not rehearse:
+        return env
+    if reward_source in ("own", "auto") and env["env_step"] is None:
+        say(f"rehearsal (--rehearse {'on' if on_local_backend() else 'on, forced'}): your TASKS and reward() with "
+            "the rehearsal's settings" + (" if the first samples score differently under it, else a stand-in task"
+                                          if reward_source == "auto" else "") + "; --rehearse off trains with your settings")
         return env
     say(f"rehearsal (--rehearse {'on' if on_local_backend() else 'on, forced'}): "
         + ("the tiny model's task 'say something' replaces TASKS" if env["env_step"] is None else
@@ -644,8 +726,10 @@ def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
 import json
+import os
 import signal
 import sys
+from pathlib import Path
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -702,6 +786,70 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+# ---- next commands: printed as the user can run them, from where they stand
+
+LOCAL_HINT = "for a free rehearsal start the local backend:"
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
+
+
+def script_command(name: str, *args) -> str:
+    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
+    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    import shlex
+
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = "python " + shlex.join([path or name, *map(str, args)])
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        command = f"python {shlex.quote(launcher)} run -- {command}"
+    return command
+
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it (python + sys.argv)."""
+    import shlex
+
+    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+
+def local_hint() -> str:
+    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    launcher = local_launcher()
+    if launcher is None:
+        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
+                "bundle's scripts/ folder)")
+    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
@@ -825,6 +973,11 @@ def load_tokenizer(name_or_path: str):
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
+    launcher, command = local_launcher(), this_command()
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -1260,9 +1413,6 @@ from urllib.parse import urlsplit
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
-LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
-
-
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -1293,14 +1443,15 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
         if isinstance(e, socket.gaierror):
             reason = f"host {host} does not resolve"
         local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
-        hint = LOCAL_HINT if local else "check the network"
+        hint = local_hint() if local else "check the network"
         raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
                           f"{hint}, or fix {setting}") from None
 
 
-def require_credentials() -> str:
+def require_credentials(dry_run_hint: bool = True) -> str:
     """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
-    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login.
+    dry_run_hint: the script has --dry-run, so the error may offer it."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
@@ -1310,8 +1461,8 @@ def require_credentials() -> str:
     import tinker
 
     if not tinker.auth.tinker_has_credentials():
-        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-                          f"or {LOCAL_HINT}")
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), "
+                          + ("or check for free with --dry-run, " if dry_run_hint else "") + f"or {local_hint()}")
     return tinker.auth.get_tinker_token() or ""
 
 
@@ -1324,13 +1475,13 @@ def rest_client():
                              api_key=os.environ.get("TINKER_API_KEY") or None)
 
 
-def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name", dry_run_hint: bool = True):
     """(ServiceClient, the model's context window) after credentials, reachability and the served-model
     check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
     sampled): no served-model check, context window None."""
     import difflib
 
-    require_credentials()
+    require_credentials(dry_run_hint)
     check_reachable()
     import tinker
 
@@ -1352,6 +1503,22 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     if trainable and model.trainable is False:
         raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
     return tinker.ServiceClient(), model.max_context_length
+
+
+def check_tinker_path(path, need):
+    """A tinker:// checkpoint path of the kind `need` ("weights" or "sampler_weights"); DataError otherwise."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
+        raise DataError(f"{path!r} is not a checkpoint path; expected tinker://RUN_ID/{need}/NAME")
+    if parts[1] != need:
+        if need == "weights":
+            raise DataError(
+                f"{path} is a {parts[1]}/ checkpoint: it cannot seed a training client; give the weights/ "
+                "path saved by save_state (state_path in checkpoints.jsonl)")
+        raise DataError(
+            f"{path} is a {parts[1]}/ checkpoint: a sampler needs a sampler_weights/ path saved by "
+            "save_weights_for_sampler (sampler_path in checkpoints.jsonl)")
+    return path
 
 
 def load_pricing():
@@ -2016,7 +2183,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 c3c153b41e60) ====
+# ==== END SHARED CODE (sha256 76b92d7043ab) ====
 
 
 if __name__ == "__main__":

@@ -13,10 +13,13 @@
 Run:
     # audit for free (no Tinker call): renders, masks, counts tokens, estimates the cost
     uv run tinker_sft.py --data sft_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
-    # train
-    uv run tinker_sft.py --data my_data.jsonl --model-name Qwen/Qwen3-8B --log-path runs/sft1 --max-usd 5
+    # train: aim for about 100 steps or more (1,000 examples at the default --batch-size 32 make 31 an
+    # epoch, so --epochs 3); with fewer, the dry run prints --batch-size/--epochs values that reach it
+    uv run tinker_sft.py --data my_data.jsonl --epochs 3 --model-name Qwen/Qwen3-8B --log-path runs/sft1 --max-usd 5
     # free rehearsal on the local backend: the tiny model memorises the built-in set, then checks it
     python tinker_local.py run -- python tinker_sft.py --rehearse --overwrite
+    # ... or rehearse your own data: masks, datums, checkpoints, sampling and a falling training loss
+    python tinker_local.py run -- python tinker_sft.py --rehearse --data my_data.jsonl --log-path runs/rehearsal
 
 Edit:
     load_dataset(path) -> list of examples, each {"messages": [{"role", "content"}, ...]} or
@@ -72,6 +75,15 @@ RESUME_KEYS = ("model_name", "data", "test_data", "test_fraction", "train_on", "
 REHEARSAL = {"learning_rate": 1e-2, "lr_schedule": "constant", "batch_size": 4, "max_steps": 40,
              "epochs": 1000, "lora_rank": 32, "num_probes": 4, "max_tokens": 8, "save_every": 0,
              "log_path": "runs/rehearsal"}
+# Fewer steps than this rarely train (the guide's figure, references/hyperparameters.md): the plan says so
+# and prints --batch-size/--epochs values that reach it.
+MIN_STEPS = 100
+# The default held-out split (--test-fraction 0.1) stops at this many examples: its forward pass runs before
+# and after training (and every --eval-every steps), and at 50,000 conversations 10% cost a sixth of the run.
+MAX_HELD_OUT = 500
+# An own-data rehearsal passes when the training loss of the last quarter of its steps is below this share
+# of the first step's (the tiny model, 24 one-sentence answers, 40 steps: 22.6 -> 9-10, measured).
+REHEARSAL_LOSS_SHARE = 0.8
 
 
 def parse_args(argv=None):
@@ -84,7 +96,8 @@ def parse_args(argv=None):
     p.add_argument("--data", help="training JSONL: {'messages': [...]} or {'prompt', 'completion'} per line "
                                   "(--dry-run and --rehearse without it: the built-in rehearsal set)")
     p.add_argument("--test-data", help="held-out JSONL; default: a --test-fraction split of --data")
-    p.add_argument("--test-fraction", type=float, default=0.1, help="held-out share when no --test-data")
+    p.add_argument("--test-fraction", type=float, default=None,
+                   help=f"held-out share when no --test-data (default 0.1, at most {MAX_HELD_OUT} examples)")
     p.add_argument("--train-on", choices=["last-assistant", "all-assistant"], default="last-assistant")
     p.add_argument("--format", choices=["auto", "chat", "raw"], default="auto",
                    help="chat: the tokenizer's chat template; raw: text + explicit EOS (base models); "
@@ -117,7 +130,8 @@ def parse_args(argv=None):
                         "(0: NLL before/after only)")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out prompts sampled and scored per eval")
     p.add_argument("--num-probes", type=int, default=3, help="greedy probe samples before and after")
-    p.add_argument("--max-tokens", type=int, default=64, help="max tokens per probe or eval sample")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="max tokens per probe or eval sample (--rehearse --data: the longest trained answer)")
     p.add_argument("--save-every", type=int, default=20, help="save_state every N steps (0: only at the end)")
     p.add_argument("--log-path", default="runs/sft")
     # run control
@@ -131,6 +145,8 @@ def parse_args(argv=None):
     if "--rehearse" in argv:
         p.set_defaults(**REHEARSAL)  # defaults only: a flag given on the command line still wins
     args = p.parse_args(argv)
+    if args.rehearse and args.data and not any(a == "--max-tokens" or a.startswith("--max-tokens=") for a in argv):
+        args.max_tokens = None  # own data: probes as long as the longest trained answer (plan() sets it)
     if args.drop_long and args.truncate:
         p.error("choose one of --drop-long and --truncate")
     if args.resume and args.overwrite:
@@ -226,7 +242,9 @@ def main(argv=None):
     report["cost"] = cost
     report["seconds"] = round(time.monotonic() - started, 1)
     if args.rehearse:
-        report["rehearsal"] = rehearsal_checks(report)
+        report["rehearsal"] = (own_data_checks(report, run, job) if args.data else rehearsal_checks(report))
+        if not report["rehearsal"]["passed"]:
+            report["status"] = "failed"  # the JSON says what the exit code (1) says
     print_outcome(args, job, report)
     emit(report)
     if args.rehearse and not report["rehearsal"]["passed"]:
@@ -361,6 +379,11 @@ def prepare(args):
     test = normalise_items(load_dataset(args.test_data), args.test_data) if args.test_data else None
     if test is None and not args.data:  # the built-in set comes with its own held-out questions
         test = normalise_items(REHEARSAL_TEST, "the built-in held-out set")
+    if args.test_fraction is None:  # the default: 10%, capped so a large set's evaluation stays cheap
+        args.test_fraction = 0.1 if len(train) * 0.1 <= MAX_HELD_OUT else MAX_HELD_OUT / len(train)
+        if args.test_fraction < 0.1 and test is None:
+            say(f"held-out split: {MAX_HELD_OUT} of {len(train)} examples (the default 10% capped at {MAX_HELD_OUT}; "
+                "--test-fraction sets it)")
     train, test = split_examples(train, test, args.test_fraction, args.seed)
     tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
     tokenizer = load_tokenizer(tokenizer_name)
@@ -372,16 +395,28 @@ def prepare(args):
 
 
 def check_masks(job):
-    """Rehearsal check 1: every training datum trains exactly its answer and the end-of-turn token."""
+    """Rehearsal check 1: every training datum trains exactly one assistant answer (after its reasoning, when
+    the message has reasoning_content) and the end-of-turn token."""
     stop = job.tokenizer.decode(job.fmt["stop"][:1])
-    by_line = {ex["line"]: reference_answer(ex) for ex in job.train_examples}
+    by_line = {ex["line"]: ex for ex in job.train_examples}
     for line, r in job.train_pairs:
         spans = weighted_spans(job.tokenizer, r)
-        trained = spans[0][: -len(stop)] if len(spans) == 1 and spans[0].endswith(stop) else None
-        if trained is None or trained.strip() != by_line[line].strip() or not r.weights[-1]:
+        trained = spans[0][: -len(stop)].strip() if len(spans) == 1 and spans[0].endswith(stop) else None
+        if trained is None or not r.weights[-1] or not any(
+                trained == answer or (reasoning and trained.endswith(answer) and reasoning in trained)
+                for answer, reasoning in trained_answers(by_line[line])):
             raise ScriptError(
                 f"rehearsal check failed: the loss mask of line {line} trains {spans!r}, expected only the answer "
-                f"{by_line[line]!r} followed by {stop!r}; the renderer's masking is wrong (see render_example())")
+                f"{reference_answer(by_line[line])!r} followed by {stop!r}; the renderer's masking is wrong (see "
+                "render_example())")
+
+
+def trained_answers(example):
+    """(answer, reasoning) of each assistant turn a datum of `example` may train, stripped."""
+    if "messages" not in example:
+        return [(example["completion"].strip(), "")]
+    return [(m["content"].strip(), (m.get("reasoning_content") or "").strip())
+            for m in example["messages"] if m["role"] == "assistant"]
 
 
 def plan(job, args, context):
@@ -406,6 +441,9 @@ def plan(job, args, context):
 
     n = len(job.train)
     job.per_epoch, job.total_steps = plan_steps(n, args.batch_size, args.epochs, args.max_steps)
+    sizing = sizing_advice(n, args, job) if not args.rehearse and not args.max_steps else None
+    if sizing:
+        say(sizing["message"])
     job.order = BatchOrder(n, args.batch_size, job.per_epoch, args.seed)
     if n < args.batch_size:
         say(f"warning: {n} training datums < --batch-size {args.batch_size}; one batch of {n} per epoch")
@@ -414,6 +452,9 @@ def plan(job, args, context):
     # Probes show memorisation in a rehearsal (training prompts) and generalisation otherwise (held-out).
     probe_source = job.train_examples if args.rehearse else (job.test_examples or job.train_examples)
     job.probes = probe_prompts(probe_source, job, args.num_probes)
+    if args.max_tokens is None:  # --rehearse on own data: room for the longest trained answer (stop included)
+        args.max_tokens = max(REHEARSAL["max_tokens"], max(sum(1 for w in r.weights if w) for r in job.train))
+        say(f"probes sample up to {args.max_tokens} tokens: the longest trained answer")
     job.eval_prompts = probe_prompts(job.test_examples, job, args.eval_samples) if args.eval_every else []
     longest_line, longest = max(job.train_pairs + job.test_pairs, key=lambda p: len(p[1].tokens))
     n_evals = 2 + (job.total_steps - 1) // args.eval_every if args.eval_every else 2
@@ -425,7 +466,47 @@ def plan(job, args, context):
                    "eval_forward": n_evals * held_out_tokens(job), "per_epoch": sum(len(r.tokens) - 1 for r in job.train)},
         "longest": {"line": longest_line, "tokens": len(longest.tokens)},
         "max_length": limit, "learning_rate": job.lr,
+        "held_out": {"datums": len(job.test), "tokens_per_eval": held_out_tokens(job), "evals": n_evals,
+                     "usd": held_out_usd(args.model_name, n_evals * held_out_tokens(job))},
     }
+    if sizing:
+        job.summary["sizing"] = {k: v for k, v in sizing.items() if k != "message"}
+
+
+def sizing_advice(n, args, job):
+    """When n datums at --batch-size for --epochs make fewer than MIN_STEPS steps: a --batch-size/--epochs pair
+    that reaches them (the largest batch needing at most 3 epochs, else at most 10, else batch 1) and the
+    learning rate for that batch (scaled by the square root of the batch ratio). None when the plan has enough."""
+    import math
+
+    steps = plan_steps(n, args.batch_size, args.epochs, None)[1]
+    if steps >= MIN_STEPS:
+        return None
+    sizes = [args.batch_size] + [b for b in (2 ** k for k in range(12, -1, -1)) if b < min(args.batch_size, n)]
+    options = [(b, math.ceil(MIN_STEPS / max(n // b, 1))) for b in sizes]
+    batch, epochs = next((o for o in options if o[1] <= 3), None) or next(
+        (o for o in options if o[1] <= 10), options[-1])
+    rate = job.lr * math.sqrt(batch / min(args.batch_size, n))
+    reached = plan_steps(n, batch, epochs, None)[1]
+    message = (f"warning: {n} training datums at --batch-size {args.batch_size} for {args.epochs} epoch(s) make "
+               f"{steps} step(s); fewer than about {MIN_STEPS} rarely train. --batch-size {batch} --epochs {epochs} "
+               f"makes {reached}; a smaller batch wants a lower learning rate, scaled by the square root of the batch "
+               f"ratio: --learning-rate {rate:.2e} (from {job.lr:.2e})"
+               + (". With this few examples every epoch repeats them: watch the held-out NLL (--eval-every)"
+                  if epochs > 3 else ""))
+    return {"steps": steps, "min_steps": MIN_STEPS, "suggested": {"batch_size": batch, "epochs": epochs,
+            "steps": reached, "learning_rate": float(f"{rate:.3g}")}, "message": message}
+
+
+def held_out_usd(model_name, tokens):
+    """Dollars of the held-out forward passes (billed at the train rate), or None without a price."""
+    pricing = load_pricing()
+    if pricing is None or not tokens:
+        return None if pricing is None else 0.0
+    try:
+        return pricing.estimate_cost(model_name, train=tokens)["usd"]["total"]
+    except Exception:  # an unknown model or price: the plan simply shows no figure
+        return None
 
 
 def held_out_tokens(job):
@@ -446,8 +527,23 @@ def cost_tokens(job, args, start):
 def settings_record(args, job):
     config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
     config.update(learning_rate=job.lr, learning_rate_source=job.lr_source, max_length=job.limit, format=job.fmt,
-                  adam=ADAM, loss="cross_entropy; weights 1/(trained tokens) per datum")
+                  adam=ADAM, loss="cross_entropy; weights 1/(trained tokens) per datum",
+                  **system_prompt_record(job.train_examples),
+                  probe_sampling={"temperature": 0.0, "max_tokens": args.max_tokens})
     return config
+
+
+def system_prompt_record(examples):
+    """What sampling needs to prompt as training did: the system prompt every training example shares
+    ("system_prompts": "shared"), none ("none"), or the note that they differ ("differ"); tinker_infer.py --run
+    uses a shared one by default."""
+    systems = {ex["messages"][0]["content"] if "messages" in ex and ex["messages"][0]["role"] == "system" else None
+               for ex in examples}
+    if systems == {None}:
+        return {"system_prompt": None, "system_prompts": "none"}
+    if len(systems) == 1:
+        return {"system_prompt": next(iter(systems)), "system_prompts": "shared"}
+    return {"system_prompt": None, "system_prompts": "differ"}
 
 
 def print_plan(job, args):
@@ -467,8 +563,13 @@ def print_plan(job, args):
         ("tokens", f"{s['tokens']['model_input']} model-input, {s['tokens']['trained']} trained, "
                    f"{s['tokens']['eval_forward']} held-out forward"),
         ("longest", f"{s['longest']['tokens']} tokens (line {s['longest']['line']}), limit {s['max_length'] or 'unknown'}"),
+        ("held-out", f"{s['held_out']['datums']} datums, {s['held_out']['tokens_per_eval']} tokens per evaluation x "
+                     f"{s['held_out']['evals']}" + (f" = ${s['held_out']['usd']:.4f}" if s['held_out']['usd'] is not None
+                                                    else "")),
         ("learning rate", f"{s['learning_rate']:.3e}, {args.lr_schedule}, warmup {args.warmup_steps}"),
-    ]:
+    ] + ([("sizing", f"{s['sizing']['steps']} steps < {s['sizing']['min_steps']}: try --batch-size "
+                     f"{s['sizing']['suggested']['batch_size']} --epochs {s['sizing']['suggested']['epochs']} "
+                     f"--learning-rate {s['sizing']['suggested']['learning_rate']:.2e}")] if "sizing" in s else []):
         table.add_row(key, str(value))
     Console(stderr=True, highlight=False, soft_wrap=True).print(table)
 
@@ -569,12 +670,46 @@ def result_record(status, run, job, final):
         "tokens": {"model_input": job.summary["tokens"]["model_input"], "trained": job.summary["tokens"]["trained"]},
         "format": job.fmt,
         "sampling": {"model_path": sampler, "stop": job.fmt["stop"],
-                     "hint": f"python tinker_infer.py --run {run.path} (renders prompts in this run's format)"},
+                     "hint": f"{script_command('tinker_infer.py', '--run', run.path)} (renders prompts in this run's "
+                             "format, with its system prompt, greedy)"},
     }
     scores = [(r["when"], r["step"], r["score"]) for r in evals if "score" in r]
     if scores:
         record["score"] = [{"when": w, "step": s, "score": v} for w, s, v in scores]
     return record
+
+
+def own_data_checks(report, run, job):
+    """What a rehearsal on the user's own data can prove (check 1, the masks, ran before training): the datums
+    trained, the checkpoints were saved, the saved sampler samples, and the training loss fell. A tiny random
+    model cannot learn to answer other questions, nor always reproduce many answers in 40 steps: the probes
+    (training prompts) and the held-out NLL are reported, not judged (references/training-sft.md)."""
+    losses = [r["loss"] for r in run.rows("metrics.jsonl") if isinstance(r.get("loss"), (int, float))]
+    tail = losses[-max(1, len(losses) // 4):]
+    last = sum(tail) / len(tail) if tail else None
+    probes = report["eval"]["probes"]
+    sampled = [p for p in probes if "after" in p]
+    exact = sum(1 for p in probes if p.get("after", "").strip() == p["expected"].strip())
+    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
+    checks = [
+        {"check": f"loss masks train exactly the answers and the end-of-turn token ({len(job.train)} datums)",
+         "passed": True},
+        {"check": f"every step trained: {len(losses)} of {job.total_steps} metrics rows", "passed": len(losses) == job.total_steps},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the saved sampler samples every probe ({len(sampled)}/{len(probes)})",
+         "passed": len(sampled) == len(probes)},
+        {"check": f"the training loss falls below {REHEARSAL_LOSS_SHARE:.0%} of the first step's "
+                  f"({losses[0]:.3f} -> {last:.3f}, the mean of the last {len(tail)} steps)" if losses
+                  else "the training loss was recorded",
+         "passed": bool(losses) and last < REHEARSAL_LOSS_SHARE * losses[0]},
+    ]
+    reported = [f"probes reproducing their trained answer: {exact}/{len(probes)} (training prompts; reported, not "
+                "judged: a tiny random model memorises few answers of a real set in a rehearsal's steps)",
+                "held-out NLL " + (f"{nll_before:.3f} -> {nll_after:.3f}" if nll_before is not None and nll_after
+                                   is not None else "not measured") + " (reported, not judged: a tiny random model "
+                "cannot generalise to other questions)"]
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported, "data": "own"}
 
 
 def rehearsal_checks(report):
@@ -612,14 +747,14 @@ def print_outcome(args, job, report):
                      f"  after {p.get('after', '')[:40]!r}")
     for c in (report.get("rehearsal") or {}).get("checks", []):
         lines.append(f"check    {'ok  ' if c['passed'] else 'FAIL'} {c['check']}")
+    for note in (report.get("rehearsal") or {}).get("reported", []):
+        lines.append(f"report   {note}")
     lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl, eval.jsonl); "
               f"final sampler {report['sampler_path']}",
               f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above)" if usd is not None
               else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
-              f"next     sample it: python {os.path.relpath(Path(__file__).parent / 'tinker_infer.py')} --run {log} --prompt "
-              f"{(ev['probes'][0]['prompt'] if ev['probes'] else 'Hello')!r}"
-              + ("\n         (local backend: a checkpoint lives as long as its server: rehearse and sample under one "
-                 "`python scripts/tinker_local.py serve`)" if args.rehearse else ""),
+              "next     sample it: " + script_command("tinker_infer.py", "--run", log, "--prompt",
+                                                     ev["probes"][0]["prompt"] if ev["probes"] else "Hello"),
               f"took     {report.get('seconds', 0):.0f} s"]
     page = write_report(log)
     if page:
@@ -666,8 +801,10 @@ REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assist
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
 import json
+import os
 import signal
 import sys
+from pathlib import Path
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -724,6 +861,70 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 
 RESUME_HINT = "the run record is saved; continue with the same command plus --resume"
+
+# ---- next commands: printed as the user can run them, from where they stand
+
+LOCAL_HINT = "for a free rehearsal start the local backend:"
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
+
+
+def script_command(name: str, *args) -> str:
+    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
+    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    import shlex
+
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = "python " + shlex.join([path or name, *map(str, args)])
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        command = f"python {shlex.quote(launcher)} run -- {command}"
+    return command
+
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it (python + sys.argv)."""
+    import shlex
+
+    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+
+def local_hint() -> str:
+    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    launcher = local_launcher()
+    if launcher is None:
+        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
+                "bundle's scripts/ folder)")
+    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
@@ -984,6 +1185,11 @@ def load_tokenizer(name_or_path: str):
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
     next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
+    launcher, command = local_launcher(), this_command()
+    # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
+    if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
+        next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
+                      f"python {launcher} run --model {name} -- {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -1887,9 +2093,6 @@ from urllib.parse import urlsplit
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
-LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
-
-
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -1920,14 +2123,15 @@ def check_reachable(url: str | None = None, timeout_s: float = REACH_TIMEOUT_S, 
         if isinstance(e, socket.gaierror):
             reason = f"host {host} does not resolve"
         local = setting == "TINKER_BASE_URL" and os.environ.get("TINKER_BASE_URL")
-        hint = LOCAL_HINT if local else "check the network"
+        hint = local_hint() if local else "check the network"
         raise AccessError(f"cannot reach Tinker at {url} ({reason}, {host}:{port} within {timeout_s:g} s); "
                           f"{hint}, or fix {setting}") from None
 
 
-def require_credentials() -> str:
+def require_credentials(dry_run_hint: bool = True) -> str:
     """The API key (or token) the SDK will send, or AccessError; never prints its value. Imports the SDK
-    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login."""
+    (seconds on a busy machine) only when TINKER_API_KEY is unset, to look for a stored login.
+    dry_run_hint: the script has --dry-run, so the error may offer it."""
     key = os.environ.get("TINKER_API_KEY", "")
     if key and not key.startswith(("tml-", "eyJ")):
         raise AccessError("TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again "
@@ -1937,8 +2141,8 @@ def require_credentials() -> str:
     import tinker
 
     if not tinker.auth.tinker_has_credentials():
-        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-                          f"or {LOCAL_HINT}")
+        raise AccessError("no Tinker credentials: set TINKER_API_KEY (tml-...), "
+                          + ("or check for free with --dry-run, " if dry_run_hint else "") + f"or {local_hint()}")
     return tinker.auth.get_tinker_token() or ""
 
 
@@ -1951,13 +2155,13 @@ def rest_client():
                              api_key=os.environ.get("TINKER_API_KEY") or None)
 
 
-def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name"):
+def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--model-name", dry_run_hint: bool = True):
     """(ServiceClient, the model's context window) after credentials, reachability and the served-model
     check; AccessError / DataError before any paid call. model_name None (a tinker:// checkpoint is
     sampled): no served-model check, context window None."""
     import difflib
 
-    require_credentials()
+    require_credentials(dry_run_hint)
     check_reachable()
     import tinker
 
@@ -2211,7 +2415,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 d0729f9736ba) ====
+# ==== END SHARED CODE (sha256 fabe3e579bc0) ====
 
 
 if __name__ == "__main__":

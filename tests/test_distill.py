@@ -239,6 +239,8 @@ def test_an_unpriced_teacher_cannot_pass_a_max_usd_check(offline_tokenizer, tmp_
     (["--batch-size", "0"], "--batch-size 0: expected a value in [1, inf]"),
     (["--temperature", "nan"], "--temperature nan: expected a finite number"),
     (["--resume", "--overwrite"], "contradict"),
+    (["--init-from", "tinker://run/sampler_weights/final"], "is a sampler_weights/ checkpoint: it cannot seed a training client"),
+    (["--init-from", "runs/sft"], "is not a checkpoint path; expected tinker://RUN_ID/weights/NAME"),
 ])
 def test_bad_flags_exit_2_with_one_line(flags, expected, tmp_path, capsys):
     code, out, err = run_main(["--teacher", "Qwen/Qwen3-8B", "--log-path", str(tmp_path / "l"), *flags], capsys)

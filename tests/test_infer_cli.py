@@ -303,3 +303,43 @@ def test_an_unreachable_hub_fails_in_seconds_naming_both_ways_to_run_offline(tmp
         "2 cannot load the tokenizer for 'Qwen/Qwen3-8B:peft:131072': Qwen/Qwen3-8B is not in the Hugging Face "
         f"cache and the hub is unreachable (127.0.0.1:{closed}: Connection refused); pass --tokenizer PATH (a "
         "folder with tokenizer.json), or download it once and run with HF_HUB_OFFLINE=1"), out.stderr
+
+
+# ---- --run prompts as training did (issue 27)
+
+
+def run_args(*argv):
+    return tinker_infer.sample_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("kind, system, said", [
+    ("shared", "You are the help desk.", "system prompt: the one every training example of"),
+    ("differ", None, "carry different system prompts, so none is added; pass --system TEXT"),
+    ("none", None, ""),
+])
+def test_run_uses_the_shared_system_prompt_and_samples_greedily_by_default(tmp_path, capsys, kind, system, said):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "system_prompt": system, "system_prompts": kind, "probe_sampling": {"temperature": 0.0, "max_tokens": 16}}))
+    args = run_args("--run", str(tmp_path), "--prompt", "Where is my invoice?")
+    assert tinker_infer.run_sampling_defaults(args, {"kind": "chat"}) == system
+    assert args.temperature == 0.0
+    err = capsys.readouterr().err
+    assert "sampling at temperature 0, as the run's probes" in err and said in err
+    rows = tinker_infer.with_system_prompt([{"prompt": "Where is my invoice?"}], system, "chat")
+    expected = [{"role": "user", "content": "Where is my invoice?"}]
+    if system:
+        assert rows == [{"messages": [{"role": "system", "content": system}, *expected]}]
+    else:
+        assert rows == [{"prompt": "Where is my invoice?"}]
+
+
+def test_system_and_temperature_flags_win_and_a_conversation_keeps_its_own_system(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"system_prompt": "Trained.", "system_prompts": "shared"}))
+    args = run_args("--run", str(tmp_path), "--prompt", "hi", "--system", "", "--temperature", "0.7")
+    assert tinker_infer.run_sampling_defaults(args, {"kind": "chat"}) is None and args.temperature == 0.7
+    args = run_args("--prompt", "hi")  # no --run: Tinker's default temperature, no system prompt
+    assert tinker_infer.run_sampling_defaults(args, None) is None and args.temperature == tinker_infer.DEFAULT_TEMPERATURE
+    own = [{"messages": [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]}]
+    assert tinker_infer.with_system_prompt(own, "Trained.", "chat") == own
+    assert tinker_infer.with_system_prompt([{"prompt": "hi"}], "Trained.", "raw") == [{"prompt": "hi"}]
+    assert "applies to the chat format only" in capsys.readouterr().err

@@ -138,9 +138,10 @@ def test_run_folder_samples_its_checkpoint_in_its_recorded_format(local_tinker, 
     assert code == 0, raw
     assert raw["format"]["kind"] == "raw"
     assert raw["samples"][0]["prompt_tokens"] == len(tokenizer.encode("What is 2+2?", add_special_tokens=False))
+    assert raw["sampling"]["temperature"] == 0.0  # --run samples greedily, as the run's probes did
     # Same checkpoint, flags instead of the record: the same tokens.
     flags = sample(local_tinker, trained, "--format", "raw", "--tokenizer", str(local_tinker.tokenizer_dir),
-                   "--prompt", "What is 2+2?", "--max-tokens", "4", "--seed", "1")
+                   "--prompt", "What is 2+2?", "--max-tokens", "4", "--seed", "1", "--temperature", "0")
     assert flags["samples"][0]["tokens"] == raw["samples"][0]["tokens"]
 
 

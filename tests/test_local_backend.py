@@ -620,6 +620,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "restored_run_ids_rejected_by_checkpoint_routes": True,
         "capabilities_without_context_window": True, "no_openai_endpoint": True,
         "jax_backend_without_gspo": True, "sampling_waits_for_training": True,
+        "checkpoints_die_with_their_server": True,
     }
 
 

@@ -159,6 +159,17 @@ def test_init_writes_the_pricing_doc_with_table_formulas_and_checklist(env, tmp_
     assert [p.name for p in (tmp_path / "proj").iterdir()] == ["TINKER_PRICING.md"]  # no temp file left
 
 
+def test_init_writes_the_pricing_doc_readable_like_any_project_file(env, tmp_path):
+    """Not mkstemp's 0600: the umask's usual 0644 (a project file others read and commit)."""
+    import os
+    umask = os.umask(0o022)
+    try:
+        code, _, _ = run(env, "init", "--out", tmp_path / "proj")
+    finally:
+        os.umask(umask)
+    assert code == 0 and (tmp_path / "proj" / "TINKER_PRICING.md").stat().st_mode & 0o777 == 0o644
+
+
 def test_init_refuses_to_overwrite_without_force(env, tmp_path):
     target = tmp_path / "TINKER_PRICING.md"
     target.write_text("my notes\n")

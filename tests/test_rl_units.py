@@ -109,6 +109,10 @@ class FakeService:
         self.resumed_from.append(path)
         return Done(FakeTraining(self))
 
+    def create_training_client_from_state(self, path):
+        self.initialised_from = getattr(self, "initialised_from", []) + [path]
+        return Done(FakeTraining(self))
+
 
 def varied_reply(eot):
     """Sample i of a group is i+1 copies of one token: rewards (text length) differ inside every group."""
@@ -671,3 +675,48 @@ def test_a_resumed_run_prices_only_the_iterations_left(qwen, capsys):
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("cost estimate")]
     assert lines[0].startswith("cost estimate (rl: Qwen/Qwen3-8B, catalogue ")
     assert lines[1].startswith("cost estimate (rl, remaining 3 of 10 iterations after --resume: Qwen/Qwen3-8B, ")
+
+
+# ---------------------------------------------------------------- --init-from and which reward a rehearsal trains
+
+
+def test_init_from_starts_the_policy_from_a_weights_checkpoint_recorded_and_resume_checked(fake_tinker, tmp_path,
+                                                                                         capsys):
+    log, state = tmp_path / "run", "tinker://sft-run/weights/final"
+    assert fake_tinker.run("--iterations", "2", "--save-every", "1", "--init-from", state, "--log-path", str(log)) == 0
+    out = capsys.readouterr()
+    assert fake_tinker.initialised_from == [state] and json.loads(out.out)["init_from"] == state
+    assert json.loads((log / "config.json").read_text())["init_from"] == state
+    assert f"reward: your reward() from the EDIT ME block, on its 6 TASKS, from {state}" in out.err
+    code = fake_tinker.run("--iterations", "3", "--resume", "--init-from", "tinker://other/weights/final",
+                           "--log-path", str(log))
+    assert code == 2 and "--init-from 'tinker://sft-run/weights/final' -> 'tinker://other/weights/final'" in \
+        capsys.readouterr().err
+
+
+def test_init_from_a_sampler_checkpoint_is_refused_before_any_call(fake_tinker, tmp_path, capsys):
+    code = fake_tinker.run("--init-from", "tinker://sft-run/sampler_weights/final", "--log-path", str(tmp_path / "r"))
+    assert code == 2 and "cannot seed a training client" in capsys.readouterr().err
+    assert not hasattr(fake_tinker, "initialised_from") and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("constant", [False, True])
+def test_a_local_rehearsal_trains_your_reward_when_it_separates_the_first_samples_else_the_stand_in(
+        fake_tinker, tmp_path, capsys, monkeypatch, constant):
+    """--rehearse auto on the local backend: the first iteration's groups, sampled before anything is written,
+    decide; the distribution is shown either way."""
+    monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")  # the local backend (nothing is reached: faked)
+    if constant:
+        monkeypatch.setattr(tinker_rl, "reward", lambda task, completion: 0.0)
+    log = tmp_path / "run"
+    assert fake_tinker.run("--iterations", "1", "--log-path", str(log)) == 0
+    out = capsys.readouterr()
+    assert "reward() (EDIT ME) on the first 6 samples (2 groups)" in out.err
+    config = json.loads((log / "config.json").read_text())
+    if constant:
+        assert "values 0 x6; tied groups 2/2" in out.err and config["reward"] == "stand-in"
+        assert "reward: the rehearsal's stand-in ('say something'" in out.err and "--init-from" in out.err
+        assert config["n_tasks"] == len(tinker_rl.REHEARSAL_TASKS[:8])
+    else:
+        assert "tied groups 0/2" in out.err and config["reward"] == "own" and config["n_tasks"] == 6
+        assert json.loads(out.out)["reward_source"] == "own"

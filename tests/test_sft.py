@@ -437,6 +437,14 @@ def test_hf_hub_offline_without_a_cached_tokenizer_names_the_fix_without_a_conne
         "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer is not in the Hugging Face cache and "
         "HF_HUB_OFFLINE=1 forbids the hub; pass --tokenizer PATH (a folder with tokenizer.json), or download it "
         "once and run with HF_HUB_OFFLINE=1")
+    # A name the local backend can serve as it is: the message also names that rehearsal, as a command
+    out = subprocess.run([sys.executable, str(SCRIPT), "--data", str(EXAMPLE), "--dry-run"], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith(
+        "; or, for a rehearsal, run it under the local backend, which serves Qwen/Qwen3-8B offline: "
+        f"python {ROOT / 'scripts' / 'tinker_local.py'} run --model Qwen/Qwen3-8B -- python {SCRIPT} --data {EXAMPLE} "
+        "--dry-run")
 
 
 @pytest.mark.e2e
@@ -540,3 +548,42 @@ def test_copied_alone_help_and_dry_run_work_with_nothing_beside_it(tmp_path, qwe
 def test_a_real_run_without_data_names_the_flag_instead_of_training_the_toy_set(tmp_path):
     out = run("--log-path", str(tmp_path / "log"), env={"TINKER_API_KEY": ""})
     assert out.returncode == 2 and "no training data: pass --data" in out.stderr and "--rehearse" in out.stderr
+
+
+# ---------------------------------------------------------------- sizing (issue 27)
+
+
+def write_pairs(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                             {"role": "assistant", "content": f"Answer {i}."}]}) + "\n")
+    return path
+
+
+def dry_run(tmp_path, capsys, qwen3_path, *flags):
+    code = sft.main(["--tokenizer", qwen3_path, "--dry-run", "--log-path", str(tmp_path / "audit"), *flags])
+    out = capsys.readouterr()
+    return code, json.loads(out.out), out.err
+
+
+def test_a_plan_under_100_steps_prints_batch_and_epochs_that_reach_them_with_the_scaled_rate(tmp_path, capsys,
+                                                                                             qwen3_path):
+    data = write_pairs(tmp_path / "small.jsonl", 24)  # 22 train after the 10% split: one step at batch 32
+    code, plan, err = dry_run(tmp_path, capsys, qwen3_path, "--data", str(data))
+    assert code == 0 and plan["steps"] == 1
+    assert plan["sizing"] == {"steps": 1, "min_steps": 100, "suggested": {
+        "batch_size": 2, "epochs": 10, "steps": 110, "learning_rate": float(f"{plan['learning_rate'] * (2 / 22) ** 0.5:.3g}")}}
+    assert "make 1 step(s); fewer than about 100 rarely train. --batch-size 2 --epochs 10 makes 110" in err
+    code, plan, err = dry_run(tmp_path, capsys, qwen3_path, "--data", str(data), "--batch-size", "2", "--epochs", "10")
+    assert code == 0 and plan["steps"] == 110 and "sizing" not in plan and "rarely train" not in err
+
+
+def test_the_default_held_out_split_stops_at_500_and_the_plan_shows_its_size_and_cost(tmp_path, capsys, qwen3_path):
+    data = write_pairs(tmp_path / "large.jsonl", 6000)
+    code, plan, err = dry_run(tmp_path, capsys, qwen3_path, "--data", str(data))
+    assert code == 0 and plan["examples"]["test"] == sft.MAX_HELD_OUT == 500 and plan["examples"]["train"] == 5500
+    assert plan["held_out"]["datums"] == 500 and plan["held_out"]["evals"] == 2 and plan["held_out"]["usd"] > 0
+    assert "held-out split: 500 of 6000 examples" in err and "500 datums" in err
+    code, plan, _ = dry_run(tmp_path, capsys, qwen3_path, "--data", str(data), "--test-fraction", "0.1")
+    assert code == 0 and plan["examples"]["test"] == 600  # an explicit fraction is taken as given

@@ -83,8 +83,9 @@ def test_both_checkpoints_exist_and_the_sampler_checkpoint_samples(full_run, loc
     # the state path restores the trained weights: the held-out NLL recomputed on it is nll_after
     args = sft.parse_args(["--data", str(EXAMPLE), "--log-path", str(log)])
     tokenizer = sft.load_tokenizer(str(local_tinker.tokenizer_dir))
+    fraction = json.loads((log / "config.json").read_text())["test_fraction"]  # as resolved (default: 10%, capped)
     train, test = sft.split_examples(sft.normalise_items(sft.load_dataset(args.data), None), None,
-                                     args.test_fraction, args.seed)
+                                     fraction, args.seed)
     test_rendered = [r for _, r in sft.render_all(test, tokenizer, report["format"], args.train_on)]
     service = tinker.ServiceClient(base_url=local_tinker.base_url, api_key=local_tinker.env["TINKER_API_KEY"])
     try:

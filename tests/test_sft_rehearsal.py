@@ -173,3 +173,70 @@ def test_readme_rehearsal_learns_on_the_local_backend(local_backend_install, tmp
     assert all(p["before"].strip() != p["expected"] for p in probes)
     assert report["eval"]["nll_after"] <= report["eval"]["nll_before"] / 2
     assert "==== what happened ====" in out.stderr and "tinker_infer.py --run" in out.stderr
+
+
+# ---------------------------------------------------------------- a rehearsal on the user's own data
+
+SYSTEM = "You are the help desk of Acme Cloud. Answer in one short sentence."
+
+
+def own_data(tmp_path, n=8, system=SYSTEM):
+    path = tmp_path / "support.jsonl"
+    with open(path, "w") as f:
+        for i in range(n):
+            msgs = [{"role": "user", "content": f"Question number {i}?"},
+                    {"role": "assistant", "content": f"Answer number {i}, in a few more words than the built-in set."}]
+            if system is not None:
+                msgs.insert(0, {"role": "system", "content": system if isinstance(system, str) else f"System {i}."})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+class FlatService(RehearsalService):
+    """A training client whose loss never falls (logprob -1.5 everywhere): a pipeline that does not train."""
+
+    def _client(self, how, arg):
+        tc = RecordingTrainingClient(self.events, f"run{len(self.created)}")
+        self.created.append((how, arg, tc))
+        return SimpleNamespace(result=lambda: tc)
+
+
+def test_an_own_data_rehearsal_proves_the_pipeline_and_reports_probes_unjudged(monkeypatch, tmp_path, capsys, qwen3):
+    path, tok, fmt = qwen3
+    data = own_data(tmp_path)
+    assert rehearse(monkeypatch, tmp_path, RehearsalService({}), path, "--data", str(data)) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["status"] == "ok" and report["rehearsal"]["passed"] and report["rehearsal"]["data"] == "own"
+    checks = [c["check"] for c in report["rehearsal"]["checks"]]
+    assert [c.split(" (")[0].split(":")[0] for c in checks] == [
+        "loss masks train exactly the answers and the end-of-turn token", "every step trained",
+        "the final checkpoint was saved", "the saved sampler samples every probe",
+        "the training loss falls below 80% of the first step's"]
+    assert report["rehearsal"]["reported"][0].startswith("probes reproducing their trained answer: 0/4")
+    assert "report   held-out NLL 2.000 -> 0.500 (reported, not judged" in out.err
+    # probes sample room for the longest trained answer, and the run records the shared system prompt
+    config = json.loads((tmp_path / "log" / "config.json").read_text())
+    longest = max(len(tok.encode(f"Answer number {i}, in a few more words than the built-in set.")) for i in range(8))
+    assert config["max_tokens"] >= longest + 1 and "probes sample up to" in out.err
+    assert (config["system_prompt"], config["system_prompts"]) == (SYSTEM, "shared")
+    assert config["probe_sampling"]["temperature"] == 0.0
+
+
+def test_an_own_data_rehearsal_whose_loss_does_not_fall_says_failed_in_json_and_exit_code(monkeypatch, tmp_path,
+                                                                                         capsys, qwen3):
+    path, _, _ = qwen3
+    with pytest.raises(sft.ScriptError, match="rehearsal check failed: the training loss falls below 80%") as failed:
+        rehearse(monkeypatch, tmp_path, FlatService({}), path, "--data", str(own_data(tmp_path)))
+    assert failed.value.exit_code == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "failed" and report["rehearsal"]["passed"] is False
+
+
+@pytest.mark.parametrize("system, kind", [(None, "none"), (1, "differ")])
+def test_the_run_record_says_when_examples_carry_no_or_different_system_prompts(monkeypatch, tmp_path, qwen3,
+                                                                               system, kind):
+    path, _, _ = qwen3
+    assert rehearse(monkeypatch, tmp_path, RehearsalService({}), path, "--data", str(own_data(tmp_path, system=system))) == 0
+    config = json.loads((tmp_path / "log" / "config.json").read_text())
+    assert (config["system_prompt"], config["system_prompts"]) == (None, kind)

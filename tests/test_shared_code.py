@@ -337,3 +337,33 @@ def test_a_script_copied_into_an_empty_folder_runs_help_and_its_dry_run(script, 
     assert unpriced is not with_pricing, out.stderr[-2000:]
     cost = result.get("cost", result.get("estimate_usd"))
     assert (cost is not None) is with_pricing, result
+
+# ---- printed next commands (common/errors.py): runnable from where the user stands
+
+
+def test_a_next_command_names_the_neighbour_as_the_user_typed_the_script_and_wraps_the_local_launcher(
+        monkeypatch, tmp_path):
+    import shutil
+
+    import tinker_sft
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("TINKER_LOCAL_LAUNCHER", raising=False)
+    monkeypatch.setattr(sys, "argv", ["scripts/tinker_sft.py", "--data", "my data.jsonl"])
+    assert tinker_sft.script_command("tinker_infer.py", "--run", "runs/a b") == \
+        "python scripts/tinker_infer.py --run 'runs/a b'"
+    assert tinker_sft.this_command() == "python scripts/tinker_sft.py --data 'my data.jsonl'"
+    monkeypatch.setenv("TINKER_LOCAL_LAUNCHER", str(ROOT / "scripts" / "tinker_local.py"))
+    assert tinker_sft.script_command("tinker_infer.py", "--run", "runs/x") == \
+        "python scripts/tinker_local.py run -- python scripts/tinker_infer.py --run runs/x"
+    # a copy in a project without tinker_infer.py beside it: the bundle's, found beside the launcher
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy2(ROOT / "scripts" / "tinker_sft.py", project / "tinker_sft.py")
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(tinker_sft, "__file__", str(project / "tinker_sft.py"))
+    monkeypatch.setattr(sys, "argv", ["tinker_sft.py"])
+    assert tinker_sft.script_command("tinker_infer.py") == (
+        f"python {ROOT / 'scripts' / 'tinker_local.py'} run -- python {ROOT / 'scripts' / 'tinker_infer.py'}")
+    shutil.copy2(ROOT / "scripts" / "tinker_infer.py", project / "tinker_infer.py")
+    assert tinker_sft.script_command("tinker_infer.py") == \
+        f"python {ROOT / 'scripts' / 'tinker_local.py'} run -- python tinker_infer.py"

@@ -6,6 +6,7 @@ a changed text fails the build. One training client is shared to keep the file f
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -278,8 +279,20 @@ def test_sampling_mistakes(service, trained):
 # ------------------------------------------------------------------ the bundle's scripts
 
 @pytest.mark.e2e
+@proves("is unknown or expired")
+def test_sampling_a_checkpoint_the_server_does_not_have_names_the_listing_command(local_tinker, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_infer.py"), "--model",
+                          "tinker://model_0badc0de/sampler_weights/final", "--prompt", "hi", "--max-tokens", "4"],
+                         capture_output=True, text=True, env=local_tinker.env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    error = json.loads(out.stdout)["error"]
+    check(error, "is unknown or expired")
+    assert "tinker_infer.py checkpoints list --run model_0badc0de" in error and "store" in error
+
+
+@pytest.mark.e2e
 @proves("error: no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-        "or for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>",
+        "or for a free rehearsal start the local backend: python",
         "error: TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again from the "
         "Tinker console")
 def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_line(local_tinker, tmp_path):
@@ -292,6 +305,9 @@ def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_l
         out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_sft.py"),
                               "--data", str(ROOT / "templates" / "sft_example.jsonl"), "--max-steps", "1",
                               "--tokenizer", str(local_tinker.tokenizer_dir), "--log-path", str(tmp_path / "run")],
-                             capture_output=True, text=True, env=env, timeout=120)
+                             capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
         assert out.returncode == 4, out.stderr[-2000:]
         check(out.stderr.strip().splitlines()[-1], text)
+        if key is None:  # the rehearsal hint is this very command, wrapped in the launcher that exists
+            launcher = str(ROOT / "scripts" / "tinker_local.py")
+            assert f"python {launcher} run -- python {ROOT / 'scripts' / 'tinker_sft.py'} --data " in out.stderr
