@@ -84,6 +84,7 @@ def main(argv: list[str]) -> int:
     if role == "engine":
         apply_engine_shims()
         from skyrl.tinker import engine
+        apply_engine_probes(engine)
         sys.argv = ["skyrl.tinker.engine", *rest]
         engine.main()
         return 0
@@ -95,6 +96,7 @@ def main(argv: list[str]) -> int:
 
         apply_api_shims(api)
         add_openai_routes(api.app)
+        apply_api_probes(api)
         parser = argparse.ArgumentParser(prog="tinker_local_server.py api")
         add_model(parser, EngineConfig)
         parser.add_argument("--listen-fd", type=int, required=True)
@@ -197,6 +199,9 @@ def apply_api_shims(api) -> None:
 
     api._build_uv_run_cmd_engine = engine_cmd
     app = api.app
+    if speed_enabled():
+        shim_sqlite_commits(api)
+        shim_wakeups_api(api)
 
     def route(path: str, endpoint, **annotations) -> None:
         # Real annotation objects: this file's `from __future__ import annotations` would leave
@@ -320,6 +325,11 @@ def apply_engine_shims() -> None:
     from skyrl.tinker.db_models import SessionDB
     from sqlmodel import Session, update
 
+    if speed_enabled():
+        shim_slot_local_training(jax_backend)
+        shim_unpadded_loss_chunks()
+        shim_sqlite_commits(engine)
+        shim_wakeups_engine(engine)
     model_pass = jax_backend.JaxBackendImpl._model_pass
     create_model = jax_backend.JaxBackendImpl.create_model
     run = engine.TinkerEngine.run
@@ -347,6 +357,8 @@ def apply_engine_shims() -> None:
         if len(self.models) >= self.config.max_lora_adapters - 1 and not model_id.startswith("sampler:"):
             unload_sampler_slots(self, keep=len(sampler_slots(self)) - 1)  # training comes first
         create_model(self, model_id, lora_config, model_role=model_role)
+        if speed_enabled():
+            return  # E. slot-local training: a new model's gradient sum starts empty in its own slot
         import jax
         import jax.numpy as jnp
         with jax.set_mesh(self.mesh):
@@ -740,6 +752,520 @@ def add_openai_routes(app) -> None:
         app.post(prefix + "/chat/completions")(chat_completions)
 
 
+# ---------------------------------------------------------------- E. speed (issue 29)
+# The E shims keep the numbers (the same first loss on the same data, checkpoints in skyrl's layout)
+# and cut the time a step spent outside the tiny model's own math. TINKER_LOCAL_SPEED=0 turns them
+# off (benchmarks/local_backend_profile.py runs both side by side).
+
+
+def speed_enabled() -> bool:
+    return os.environ.get("TINKER_LOCAL_SPEED", "1") != "0"
+
+
+class _Slot:
+    """One training model's own adapter slot: LoRA weights, Adam state, gradient sum (adapter dim 1)."""
+
+    def __init__(self, module, lora, optimizer, grads):
+        self.module, self.lora, self.optimizer, self.grads = module, lora, optimizer, grads
+        self.trained = False  # its weights moved on from the copy in the shared arrays
+
+
+def shim_slot_local_training(jax_backend) -> None:
+    """E. all-slot work: skyrl keeps every adapter slot (MAX_LORA_ADAPTERS = 14) in one stacked array
+    per LoRA weight and differentiates, accumulates and Adam-updates the whole stack at every step;
+    each model's optimizer holds Adam moments for all 14 slots. The embedding's LoRA A alone is
+    14 x 151,936 x 32 floats (272 MB), and with tied embeddings (the tiny Qwen3) it never trains:
+    skyrl gives it rank 0 and scaling 0 (train_unembed is refused), so its gradient is exactly zero.
+    A 4 x 32-token step spent ~0.9 s of CPU in optim_step on slots and weights it does not train.
+
+    Here each training model keeps its own slot (weights, Adam moments, gradient sum; adapter
+    dimension 1) and runs forward / forward_backward / optim_step through a copy of the model graph
+    built for one adapter, without the embedding's LoRA when embeddings are tied (its output there
+    is exactly zero). The math is skyrl's own closures (loss switch, per-sequence normalisation,
+    accumulation, AdamW) rebuilt on that graph. Saves read the slot; checkpoints keep skyrl's
+    layout (the frozen embedding LoRA and its moments are written as the zeros they are). Sampling
+    reads the shared arrays, and only ever samples checkpoints loaded into slots of their own."""
+    import copy
+    import types as pytypes
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from skyrl.tinker import types
+    from skyrl.tx.layers.lora import LoRAEmbed
+    from skyrl.tx.utils.models import (extract_adapter_state, get_dtype, get_model_class,
+                                       insert_adapter_state, is_stacked_path, save_lora_checkpoint)
+
+    Impl = jax_backend.JaxBackendImpl
+    for name in ("_create_loss_and_grad_fn", "_model_pass", "optim_step", "create_model", "delete_model",
+                 "_extract_checkpoint_data", "_insert_checkpoint_data", "save_sampler_checkpoint", "sample"):
+        assert hasattr(Impl, name), f"skyrl JaxBackendImpl.{name} is gone: the speed shims need skyrl==0.4.0"
+    assert "nnx.Optimizer(" in inspect.getsource(Impl.create_model), "skyrl's create_model changed"
+    model_pass, create_model, delete_model, sample = Impl._model_pass, Impl.create_model, Impl.delete_model, Impl.sample
+    scaling_keys = ("lora_scaling", "lora_ranks")
+
+    def one_slot(tree, idx, keys=None):
+        """Slot idx of every adapter-stacked leaf (or of the leaves named in keys); adapter dim kept."""
+        def take(path, x):
+            if keys is not None and path[-2].key not in keys:
+                return x
+            return jax.lax.dynamic_slice_in_dim(x, idx, 1, axis=1 if is_stacked_path(path) else 0)
+        return jax.tree.map_with_path(take, tree)
+
+    def kit(self) -> pytypes.SimpleNamespace:
+        """The one-adapter graph and skyrl's closures rebuilt on it, jitted (built once per engine)."""
+        found = self.__dict__.get("_speed_kit")
+        if found is not None:
+            return found
+        assert self.config.mhc_expansion_rate == 1 and jax.process_count() == 1, "slot-local training: one host, no mHC"
+        config = copy.copy(self.model_config)
+        config.max_lora_adapters = 1
+        with jax.set_mesh(self.mesh):  # built for its graph only (skyrl's layer stacking cannot eval_shape)
+            one = get_model_class(config)(config, dtype=get_dtype(config.get_config().dtype), rngs=nnx.Rngs(0))
+            embed = getattr(getattr(one, "model", None), "embed_tokens", None)
+            frozen_embed = bool(getattr(config.get_config(), "tie_word_embeddings", False)) and isinstance(embed, LoRAEmbed)
+            if frozen_embed:
+                one.model.embed_tokens = LoRAEmbed(
+                    embed.num_embeddings, embed.features, sharding=("tp", None), max_lora_adapters=0,
+                    dtype=embed.dtype, param_dtype=embed.param_dtype, embedding_init=nnx.initializers.zeros_init(),
+                    rngs=nnx.Rngs(0))
+        graphdef = nnx.split(one, one.is_lora_param, ...)[0]
+        del one, embed
+        closures = pytypes.SimpleNamespace(graphdef=graphdef,
+                                           config=self.config.model_copy(update={"enforce_eager": True}))
+        Impl._create_loss_and_grad_fn(closures)  # un-jitted (enforce_eager), on the one-adapter graph
+
+        def with_adapter_zero(fn):
+            def run(grads, lora, non_lora, input_ids, attention_mask, *rest):
+                return fn(grads, lora, non_lora, input_ids, attention_mask,
+                          jnp.zeros(input_ids.shape[0], jnp.int32), *rest)
+            return run
+
+        def frozen(path, _value) -> bool:  # the embedding's LoRA leaves, when they cannot train
+            return frozen_embed and "embed_tokens" in path and path[-1] in ("lora_A", "lora_B", *scaling_keys)
+
+        found = pytypes.SimpleNamespace(
+            graphdef=graphdef, frozen=frozen,
+            forward_backward=jax.jit(with_adapter_zero(closures._forward_backward_and_accumulate), donate_argnums=0),
+            forward=jax.jit(with_adapter_zero(closures._forward)),
+            update=nnx.jit(closures._compute_grads_and_update), take=jax.jit(one_slot))
+        self.__dict__["_speed_kit"] = found
+        return found
+
+    def slots(self) -> dict:
+        return self.__dict__.setdefault("_speed_slots", {})
+
+    def slot(self, model_id: str) -> _Slot:
+        """The model's own slot, taken from the shared arrays the first time it is needed."""
+        found = slots(self).get(model_id)
+        if found is None:
+            k, idx = kit(self), jnp.int32(self.models[model_id].adapter_index)
+            trainable = lambda path, value: not k.frozen(path, value)  # noqa: E731
+            with jax.set_mesh(self.mesh):
+                non_lora = one_slot(self.non_lora_params.filter(trainable), idx, scaling_keys)  # base weights shared
+                module = nnx.merge(k.graphdef, k.take(self.lora_params.filter(trainable), idx), non_lora)
+                optimizer = nnx.Optimizer(module, optax.inject_hyperparams(optax.adamw)(learning_rate=0.0),
+                                          wrt=module.is_lora_param)
+                _, lora, non_lora = nnx.split(module, module.is_lora_param, ...)
+                grads = jax_backend.AccumulatedGradients.create(lora, 1)
+            found = slots(self)[model_id] = _Slot(module, lora, optimizer, grads)
+            found.non_lora = non_lora
+        return found
+
+    def model_pass_in_slot(self, prepared_batch, model_pass_fn):
+        model_ids = set(prepared_batch.all_model_ids)
+        if not model_ids:
+            return model_pass(self, prepared_batch, model_pass_fn)
+        # The engine batches passes per model (process_batch_requests(..., per_model=True)).
+        assert len(model_ids) == 1, f"slot-local training expects one model per batch, got {sorted(model_ids)}"
+        found, k = slot(self, model_ids.pop()), kit(self)
+        training = model_pass_fn is self._forward_backward_and_accumulate
+
+        def in_slot(accumulated, lora, non_lora, input_ids, attention_mask, adapter_indices, *rest):
+            grads, losses, logprobs = (k.forward_backward if training else k.forward)(
+                found.grads, found.lora, found.non_lora, input_ids, attention_mask, *rest)
+            if training:
+                found.grads = grads
+            return accumulated, losses, logprobs
+
+        return model_pass(self, prepared_batch, in_slot)
+
+    def optim_step_in_slot(self, model_id, request_data):
+        found = slot(self, model_id)
+        if int(found.grads.counts[0]) == 0:
+            jax_backend.logger.warning(f"No accumulated gradients for model {model_id}; applying step with zero gradients")
+        adam, hp = request_data.adam_params, found.optimizer.opt_state.hyperparams
+        hp["learning_rate"][...] = adam.learning_rate
+        hp["b1"][...] = adam.beta1
+        hp["b2"][...] = adam.beta2
+        hp["eps"][...] = adam.eps
+        hp["weight_decay"][...] = adam.weight_decay
+        with jax.set_mesh(self.mesh):
+            found.grads, metrics = kit(self).update(found.grads, found.lora, found.optimizer, jnp.int32(0))
+        found.trained = True
+        return types.OptimStepOutput(metrics=jax.device_get(metrics).to_output_metrics())
+
+    def create_model_with_own_slot(self, model_id, lora_config, model_role="policy"):
+        # skyrl's create_model also builds an optimizer over all 14 slots; the slot's own is built on
+        # first use instead.
+        optimizer = nnx.Optimizer
+        nnx.Optimizer = lambda *a, **kw: None
+        try:
+            create_model(self, model_id, lora_config, model_role=model_role)
+        finally:
+            nnx.Optimizer = optimizer
+        slots(self).pop(model_id, None)
+
+    def delete_model_and_slot(self, model_id):
+        slots(self).pop(model_id, None)
+        delete_model(self, model_id)
+
+    def extract_from_slot(self, model_id):
+        found, rank = slot(self, model_id), self.models[model_id].lora_config.rank
+        weights = extract_adapter_state(0, found.lora, rank)
+        opt = extract_adapter_state(0, nnx.state(found.optimizer), rank)
+        # the frozen embedding LoRA as skyrl stores it (zeros), and zero Adam moments for it under each
+        # prefix where the optimizer state repeats the parameter tree (mu, nu)
+        frozen = extract_adapter_state(self.models[model_id].adapter_index,
+                                       self.lora_params.filter(kit(self).frozen), rank)
+        if len(frozen.flat_state()):
+            prefixes = {path[:path.index("model")] for path, _ in opt.flat_state() if "model" in path}
+            zeros = [(prefix + path, type(var)(jnp.zeros_like(var.get_value())))
+                     for prefix in prefixes for path, var in frozen.flat_state()]
+            weights = nnx.State.merge(weights, frozen)
+            opt = nnx.State.from_flat_path([*opt.flat_state(), *zeros])
+        return {"lora_weights": weights, "optimizer_state": opt,
+                "lora_config": self.models[model_id].lora_config.model_dump()}
+
+    def insert_into_slot(self, model_id, checkpoint_data, load_optimizer):
+        found, k = slot(self, model_id), kit(self)
+        rank = checkpoint_data["lora_config"]["rank"]
+        if self.models[model_id].lora_config.rank != rank:
+            raise ValueError(f"Rank mismatch: checkpoint has rank {rank}, "
+                             f"model configured with rank {self.models[model_id].lora_config.rank}")
+        trainable = lambda path, value: not k.frozen(path, value)  # noqa: E731
+        insert_adapter_state(0, found.lora, checkpoint_data["lora_weights"].filter(trainable), rank)
+        if load_optimizer:
+            insert_adapter_state(0, nnx.state(found.optimizer), checkpoint_data["optimizer_state"].filter(trainable), rank)
+        found.trained = True
+
+    def save_sampler_from_slot(self, output_path, model_id, persist=True):
+        found, meta = slot(self, model_id), self.models[model_id]
+        save_lora_checkpoint(found.module, self.base_model, meta.lora_config, 0, output_path, self.process_id)
+
+    def sample_from_shared(self, prepared_batch):
+        trained = [m for m in set(prepared_batch.all_model_ids) if m in slots(self) and slots(self)[m].trained]
+        assert not trained, f"sampling a training model's slot directly ({trained}): sample a checkpoint"
+        return sample(self, prepared_batch)
+
+    Impl._model_pass = model_pass_in_slot
+    Impl.optim_step = optim_step_in_slot
+    Impl.create_model = create_model_with_own_slot
+    Impl.delete_model = delete_model_and_slot
+    Impl._extract_checkpoint_data = extract_from_slot
+    Impl._insert_checkpoint_data = insert_into_slot
+    Impl.save_sampler_checkpoint = save_sampler_from_slot
+    Impl.sample = sample_from_shared
+
+
+def shim_unpadded_loss_chunks() -> None:
+    """E. shape padding: skyrl computes the LM head's logprobs in chunks of loss_chunk_size tokens
+    (1024) and pads every batch up to a whole chunk, so 4 x 32 tokens ran the 151,936-wide LM head
+    over 1,024 rows, 8x the work (0.9 s of CPU per forward_backward). A batch smaller than one
+    chunk is now one chunk of its own size; larger batches chunk as before."""
+    from skyrl.tx.utils.logits_processor import LogitsProcessorMixin
+
+    chunked = LogitsProcessorMixin._compute_chunked_logprobs
+    assert "pad_amount = num_chunks * chunk_size - total_tokens" in inspect.getsource(chunked), \
+        "skyrl's chunked logprobs changed"
+
+    def chunked_without_padding(self, hidden_states, target_ids, chunk_size, adapter_indices):
+        return chunked(self, hidden_states, target_ids,
+                       min(chunk_size, hidden_states.shape[0] * hidden_states.shape[1]), adapter_indices)
+
+    LogitsProcessorMixin._compute_chunked_logprobs = chunked_without_padding
+
+
+def shim_sqlite_commits(module) -> None:
+    """E. database commits: skyrl's SQLite runs in WAL mode with synchronous=FULL, an fsync per
+    commit (~1 ms here; 4-6 commits a step). synchronous=NORMAL keeps WAL's atomicity and survives a
+    crash of either process; only an OS crash can lose the last commits of a rehearsal."""
+    from sqlalchemy import event
+
+    enable = module.enable_sqlite_wal
+
+    def enable_wal_without_fsync(engine) -> None:
+        enable(engine)
+        if engine.dialect.name == "sqlite":
+            @event.listens_for(engine, "connect")
+            def _normal_sync(dbapi_connection, connection_record):
+                cursor = dbapi_connection.cursor()
+                cursor.execute("PRAGMA synchronous=NORMAL")
+                cursor.close()
+
+    module.enable_sqlite_wal = enable_wal_without_fsync
+
+
+WAKE_PORT_ENV = "TINKER_LOCAL_API_WAKE_PORT"  # the API process's wake-up socket, inherited by the engine
+QUIET_POSTS = ("/retrieve_future", "/session_heartbeat", "/telemetry")  # POSTs that give the engine no work
+
+
+def shim_wakeups_api(api) -> None:
+    """E. queueing: a request waited for skyrl's engine loop to wake from its 100 ms sleep (50 ms on
+    average) and its result for the API's 50 ms future poll (25 ms on average), twice per training
+    step. Here the API process tells the engine over a loopback UDP socket when a POST may have
+    queued work, and the engine tells the API when it completed futures; both loops keep their
+    intervals as a fallback, so a lost datagram only costs the old wait."""
+    import asyncio
+    import socket
+    import types as pytypes
+
+    assert "await asyncio.sleep(poll_interval_sec)" in inspect.getsource(api.poll_futures), \
+        "skyrl's future poller changed"
+    wake = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    wake.bind(("127.0.0.1", 0))
+    wake.setblocking(False)
+    os.environ[WAKE_PORT_ENV] = str(wake.getsockname()[1])
+    state: dict = {"engine": None, "event": None}
+
+    def on_datagram() -> None:
+        while True:
+            try:
+                _, state["engine"] = wake.recvfrom(64)  # the engine writes from its own socket
+            except (BlockingIOError, InterruptedError):
+                break
+        state["event"].set()
+
+    def event() -> asyncio.Event:
+        if state["event"] is None:  # first use, inside the server's event loop
+            state["event"] = asyncio.Event()
+            asyncio.get_running_loop().add_reader(wake.fileno(), on_datagram)
+        return state["event"]
+
+    async def sleep(delay, result=None):
+        """asyncio.sleep that ends when the engine reports finished futures. The event stays set
+        until a sleep sees it, so a completion during the poller's query is never missed."""
+        woken = event()
+        if not woken.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(woken.wait(), delay)
+        woken.clear()
+        return result
+
+    # poll_futures (and only skyrl's api module) sees this asyncio, whose sleep can be woken
+    api.asyncio = pytypes.ModuleType("asyncio")
+    api.asyncio.__dict__.update(asyncio.__dict__, sleep=sleep)
+    wait_for_future = api.wait_for_future
+
+    async def wait_for_future_polled_now(waiters, request_id, timeout):
+        asyncio.get_running_loop().call_soon(event().set)  # a result may be in already: query now
+        return await wait_for_future(waiters, request_id, timeout)
+
+    api.wait_for_future = wait_for_future_polled_now
+
+    class WakeEngineAfterPosts:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            await self.app(scope, receive, send)
+            if (scope["type"] == "http" and scope["method"] == "POST" and state["engine"]
+                    and not scope["path"].endswith(QUIET_POSTS)):
+                with contextlib.suppress(OSError):
+                    wake.sendto(b"w", state["engine"])
+
+    api.app.add_middleware(WakeEngineAfterPosts)
+
+
+def shim_wakeups_engine(engine) -> None:
+    """The engine half of shim_wakeups_api: wait on the wake socket instead of sleeping 100 ms."""
+    import select
+    import socket
+
+    port = os.environ.get(WAKE_PORT_ENV)
+    if not port:
+        return  # not started by our API process: keep skyrl's polling
+    TinkerEngine = engine.TinkerEngine
+    assert "time.sleep(0.1)" in inspect.getsource(TinkerEngine.process_pending_requests), \
+        "skyrl's engine loop changed"
+    api_address = ("127.0.0.1", int(port))
+    wake = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    wake.bind(("127.0.0.1", 0))
+    wake.setblocking(False)
+    complete = TinkerEngine._complete_futures
+
+    def send(message: bytes, address) -> None:
+        with contextlib.suppress(OSError):
+            wake.sendto(message, address)
+
+    def complete_and_tell(self, results):
+        complete(self, results)
+        send(b"d", api_address)
+        if threading.current_thread() is not threading.main_thread():
+            send(b"w", wake.getsockname())  # the side sampler is done: the loop may start the next batch
+
+    def process_until_woken(self):
+        send(b"hello", api_address)  # tells the API where the engine listens
+        while True:
+            self.process_pending_requests_once()
+            if select.select([wake], [], [], 0.1)[0]:
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    while wake.recv(64):
+                        pass
+
+    TinkerEngine._complete_futures = complete_and_tell
+    TinkerEngine.process_pending_requests = process_until_woken
+
+
+# ---------------------------------------------------------------- profile probes (benchmarks only)
+# With TINKER_LOCAL_PROFILE=FILE both processes append one JSON line per event to FILE (wall clock,
+# same machine): benchmarks/local_backend_profile.py joins them by request id into where a call's
+# time went. Off (no wrapper installed) otherwise.
+
+PROFILE_ENV = "TINKER_LOCAL_PROFILE"
+
+
+def _probe_writer():
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return None
+    out = open(path, "a", buffering=1)
+    lock = threading.Lock()
+
+    def write(event: str, **fields) -> None:
+        line = json.dumps({"ev": event, "pid": os.getpid(), **fields})
+        with lock:
+            out.write(line + "\n")
+
+    return write
+
+
+def apply_api_probes(api) -> None:
+    """HTTP in/out per request (with the request id it created or waited for), and when the future
+    poller resolved each awaited id."""
+    import contextvars
+
+    write = _probe_writer()
+    if write is None:
+        return
+    current = contextvars.ContextVar("tinker_local_probe", default=None)
+    create_future, wait_for_future = api.create_future, api.wait_for_future
+
+    async def create_future_probed(*args, **kwargs):
+        request_id = await create_future(*args, **kwargs)
+        if current.get() is not None:
+            current.get()["rid"] = int(request_id)
+        write("created", rid=int(request_id), t=time.time())
+        return request_id
+
+    async def wait_for_future_probed(waiters, request_id, timeout):
+        if current.get() is not None:
+            current.get()["rid"] = int(request_id)
+        t0 = time.time()
+        row = await wait_for_future(waiters, request_id, timeout)
+        write("resolved", rid=int(request_id), t0=t0, t=time.time())
+        return row
+
+    class ProbeHttp:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            record, t0 = {}, time.time()
+            token = current.set(record)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                current.reset(token)
+                write("http", path=scope["path"], t0=t0, t=time.time(), rid=record.get("rid"))
+
+    api.create_future = create_future_probed
+    api.wait_for_future = wait_for_future_probed
+    api.app.add_middleware(ProbeHttp)
+
+
+def apply_engine_probes(engine) -> None:
+    """Per loop iteration that found work: when it started and which ids its queries found; per
+    batch or single request: its compute time; per commit of results: which ids and how long."""
+    write = _probe_writer()
+    if write is None:
+        return
+    TinkerEngine = engine.TinkerEngine
+    once, complete = TinkerEngine.process_pending_requests_once, TinkerEngine._complete_futures
+    singles = TinkerEngine.process_single_requests
+
+    def once_probed(self):
+        self._probe_tick = time.time()
+        return once(self)
+
+    def finder(name):
+        find = getattr(TinkerEngine, name)
+
+        def find_probed(self, session, *args):
+            t0 = time.time()
+            found = find(self, session, *args)
+            if found:
+                write("found", rids=[int(r) for r in found], tick=getattr(self, "_probe_tick", t0), t0=t0,
+                      t=time.time(), what=name)
+            return found
+        return find_probed
+
+    def batch(name):
+        run = getattr(TinkerEngine, name)
+
+        def run_probed(self, requests):
+            t0 = time.time()
+            try:
+                return run(self, requests)
+            finally:
+                write("compute", rids=[int(r) for r in requests], kind=name, t0=t0, t=time.time())
+        return run_probed
+
+    def singles_probed(self, requests):
+        order, inner = iter(list(requests)), self.process_single_request
+
+        def one(request_type, model_id, request_data):
+            rid, t0 = next(order), time.time()
+            try:
+                return inner(request_type, model_id, request_data)
+            finally:
+                write("compute", rids=[int(rid)], kind=request_type.value, t0=t0, t=time.time())
+
+        self.process_single_request = one
+        try:
+            return singles(self, requests)
+        finally:
+            del self.process_single_request
+
+    def complete_probed(self, results):
+        t0 = time.time()
+        complete(self, results)
+        write("commit", rids=[int(r) for r in results], t0=t0, t=time.time())
+
+    TinkerEngine.process_pending_requests_once = once_probed
+    for name in ("find_batchable_model_passes", "find_batchable_sample", "find_single_requests"):
+        setattr(TinkerEngine, name, finder(name))
+    for name in ("process_forward_backward", "process_forward"):
+        setattr(TinkerEngine, name, batch(name))
+    TinkerEngine.process_single_requests = singles_probed
+    TinkerEngine._complete_futures = complete_probed
+    from skyrl.backends import jax as jax_backend
+    sample = jax_backend.JaxBackendImpl.sample
+
+    def sample_probed(self, prepared_batch):
+        t0 = time.time()
+        try:
+            return sample(self, prepared_batch)
+        finally:
+            write("compute", rids=[int(s[0]) for s in prepared_batch.request_batch_slices], kind="sample",
+                  t0=t0, t=time.time())
+
+    jax_backend.JaxBackendImpl.sample = sample_probed
+
+
 def check_shims() -> int:
     """Import skyrl with every shim applied and check the versions they were written for."""
     from importlib.metadata import version
@@ -767,7 +1293,9 @@ def gaps_still_open() -> dict[str, bool]:
     from skyrl.tinker import api, types
     from skyrl.tinker.config import EngineConfig
     from skyrl.tinker.db_models import SessionDB
+    from skyrl.tinker.db_models import enable_sqlite_wal
     from skyrl.tinker.engine import TinkerEngine
+    from skyrl.tx.utils.logits_processor import LogitsProcessorMixin
     paths = {getattr(r, "path", None) for r in api.app.router.routes}
     cfg = EngineConfig(base_model="x", backend="jax")
     try:
@@ -798,6 +1326,13 @@ def gaps_still_open() -> dict[str, bool]:
         "sampling_waits_for_training": not hasattr(JaxBackendImpl, "sample_batch_async"),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
+        "training_steps_update_every_adapter_slot": "self.lora_params" in inspect.getsource(JaxBackendImpl.optim_step)
+            and "nnx.Optimizer(self.model" in inspect.getsource(JaxBackendImpl.create_model),
+        "loss_chunks_pad_small_batches": "num_chunks * chunk_size - total_tokens" in inspect.getsource(
+            LogitsProcessorMixin._compute_chunked_logprobs),
+        "engine_loop_sleeps_between_polls": "time.sleep(0.1)" in inspect.getsource(TinkerEngine.process_pending_requests),
+        "future_poller_sleeps_between_queries": "asyncio.sleep(poll_interval_sec)" in inspect.getsource(api.poll_futures),
+        "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
     }
 
 
