@@ -19,9 +19,11 @@ What it does:
      handler (parse, insert, commit), waiting for the engine loop, the engine's DB queries, JAX,
      result commits, the API's future poller, the response, the SDK's decoding. SDK 0.38 long-polls
      retrieve_future (one request per future, 45 s timeout), so the client adds no polling interval.
-  4. In the server venv, without HTTP (`--no-jax` skips it): the JAX work alone, before and after:
-     forward_backward (host-side batch preparation vs the jitted call), optim_step (the LoRA update),
-     a new sequence-length bucket's compile, the sampler call; and the server processes' CPU seconds.
+  4. In the server venv, without HTTP, database or engine loop, and without the persistent compile
+     cache (first calls compile as on a fresh clone; `--no-jax` skips it): create/delete a model,
+     forward_backward (wall, CPU, and the jitted call alone), optim_step (the LoRA update), a new
+     length bucket's first call (its compile) and warm, a sample from the backend alone.
+  Also: the server processes' CPU seconds per round and each server's start-up time.
 
 Outputs: tables on stderr, one JSON object on stdout (all figures, the load average before and after).
 Internal role (re-entered by this file in the server venv): `jax-only SPEED`.
@@ -214,12 +216,27 @@ def jax_only(speed: bool) -> dict:
     from skyrl.backends.jax import JaxBackendConfig, JaxBackendImpl
     from skyrl.tinker import engine, types
 
+    import jax
     home = tinker_local.resolve_home()
     backend = JaxBackendImpl(str(tinker_local.tiny_model_dir(home)), JaxBackendConfig(
         max_lora_adapters=tinker_local.MAX_LORA_ADAPTERS, max_lora_rank=tinker_local.MAX_LORA_RANK), 0)
+    creates = []
+    for i in range(3):  # the first also builds what every later model shares (and compiles, if the cache is cold)
+        t0 = time.perf_counter()
+        backend.create_model("m" if i == 0 else f"m{i}", types.LoraConfig(rank=RANK, alpha=32, seed=i))
+        creates.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    backend.create_model("m", types.LoraConfig(rank=RANK, alpha=32, seed=0))
-    create_s = time.perf_counter() - t0
+    backend.delete_model("m2")
+    delete_s = time.perf_counter() - t0
+    jitted: list[float] = []  # the jitted forward_backward alone (blocked until its results are ready)
+
+    def timed(fn):
+        def run(*args):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            jitted.append(time.perf_counter() - t0)
+            return out
+        return run
 
     def data(tokens: int):
         rows = []
@@ -237,6 +254,11 @@ def jax_only(speed: bool) -> dict:
     calls: dict[str, list[float]] = {"prepare": [], "forward_backward": [], "forward_backward_cpu": [],
                                      "optim_step": [], "optim_step_cpu": []}
     first = None
+    out = backend.forward_backward(engine.prepare_model_pass_batch(requests))  # builds the slot kit (after)
+    if speed:
+        backend._speed_kit.forward_backward = timed(backend._speed_kit.forward_backward)
+    else:
+        backend._forward_backward_and_accumulate = timed(backend._forward_backward_and_accumulate)
     for i in range(8):
         t0 = time.perf_counter()
         prepared = engine.prepare_model_pass_batch(requests)
@@ -245,7 +267,7 @@ def jax_only(speed: bool) -> dict:
         t2, c2 = time.perf_counter(), time.process_time()
         backend.optim_step("m", adam)
         t3, c3 = time.perf_counter(), time.process_time()
-        first = first if first is not None else out["r"].metrics["loss:sum"]
+        first = first if first is not None else out["r"].metrics["loss:sum"]  # no optim_step yet: the first loss
         if i >= 2:
             for key, value in (("prepare", t1 - t0), ("forward_backward", t2 - t1), ("forward_backward_cpu", c2 - c1),
                                ("optim_step", t3 - t2), ("optim_step_cpu", c3 - c2)):
@@ -267,7 +289,9 @@ def jax_only(speed: bool) -> dict:
         backend.sample(engine.prepare_sample_batch({"s": ("", sample_input)}))
         if i >= 1:
             sample_calls.append(time.perf_counter() - t0)
-    return {"speed": speed, "first_loss": first, "create_model_s": create_s,
+    return {"speed": speed, "first_loss": first, "create_model_first_s": creates[0],
+            "create_model_s": statistics.median(creates[1:]), "delete_model_s": delete_s,
+            "jitted_forward_backward_s": statistics.median(jitted[2:]),
             **{f"{k}_s": statistics.median(v) for k, v in calls.items()},
             "new_bucket_first_fb_s": new_shape_s, "new_bucket_warm_fb_s": new_shape_warm_s,
             "sample_s": statistics.median(sample_calls)}
@@ -275,7 +299,9 @@ def jax_only(speed: bool) -> dict:
 
 def run_jax_only(speed: bool) -> dict:
     venv = tinker_local.resolve_venv()
-    env = {**tinker_local._server_env(tinker_local.resolve_home()), "TINKER_LOCAL_SPEED": "1" if speed else "0"}
+    # no persistent compile cache here: first calls compile as on a fresh clone, before and after alike
+    env = {**tinker_local._server_env(tinker_local.resolve_home()), "TINKER_LOCAL_SPEED": "1" if speed else "0",
+           "JAX_ENABLE_COMPILATION_CACHE": "false"}
     done = subprocess.run([str(tinker_local.venv_python(venv)), __file__, "jax-only", "1" if speed else "0"],
                           capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
@@ -336,6 +362,7 @@ def main(argv=None) -> int:
                 side.close()
         probes = {name: load_probes(side.probe) for name, side in sides.items()}
     result["first_loss"] = first
+    result["ready_s"] = {name: round(side.server.ready_seconds, 1) for name, side in sides.items()}
     result["server_cpu_s_per_round"] = {k: round(v, 3) for k, v in cpu.items()}
     for what, calls_of, kinds, path in (
             ("step", lambda s: s.steps, {"fb": ("/forward_backward", "process_forward_backward"),
@@ -363,12 +390,16 @@ def main(argv=None) -> int:
     say(f"\nfirst loss (same data, seed 0): before {first['before']!r}, after {first['after']!r}"
         f"{'' if first['before'] == first['after'] else '  <-- DIFFERENT'}")
     say(f"server CPU per round (one step + one sample): before {cpu['before']:.3f} s, after {cpu['after']:.3f} s")
+    say(f"server ready after start: before {result['ready_s']['before']} s, after {result['ready_s']['after']} s")
     if not args.no_jax:
         say("\nJAX alone, in the server venv (no HTTP, no database, no engine loop) ...")
         jax_runs = {"before": run_jax_only(False), "after": run_jax_only(True)}
         result["jax_only"] = jax_runs
-        rows = [("create_model (one LoRA)", "create_model_s"), ("host-side batch preparation", "prepare_s"),
+        rows = [("create_model, first (builds shared parts)", "create_model_first_s"),
+                ("create_model, later ones", "create_model_s"), ("delete_model", "delete_model_s"),
+                ("engine: prepare_model_pass_batch", "prepare_s"),
                 ("forward_backward (wall)", "forward_backward_s"), ("forward_backward (CPU)", "forward_backward_cpu_s"),
+                ("  of which the jitted call, until ready", "jitted_forward_backward_s"),
                 ("optim_step: the LoRA update (wall)", "optim_step_s"), ("optim_step (CPU)", "optim_step_cpu_s"),
                 ("forward_backward, new length bucket: first call", "new_bucket_first_fb_s"),
                 ("forward_backward, that bucket warm", "new_bucket_warm_fb_s"),

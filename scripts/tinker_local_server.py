@@ -41,10 +41,25 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
                                  its sequence_ratio_mask input                  none known
      sampling_waits_for_training sample batches run on a thread of their own,
                                  beside forward_backward and optim_step         none known
+  E. Speed (the same first loss on the same data; TINKER_LOCAL_SPEED=0 turns E off, for
+     benchmarks/local_backend_profile.py's side-by-side "before")
+     training_steps_update_every_adapter_slot    each training model trains its own slot through a
+                                 one-adapter copy of the graph; creating and unloading it leave
+                                 the 14-slot arrays alone                       none known
+     loss_chunks_pad_small_batches  a batch below loss_chunk_size is one chunk of its own size
+                                 (4 x 32 tokens ran the LM head over 1,024 rows) none known
+     sampler_compiles_per_batch_size_and_length  sampling pads rows and new tokens to
+                                 shape buckets: fewer compiles, same tokens     none known
+     engine_loop_sleeps_between_polls  the engine waits on a UDP wake-up from the API
+                                 process, not a 100 ms sleep                    none known
+     future_poller_sleeps_between_queries  the API's future poller wakes when the engine
+                                 completes futures, not only every 50 ms        none known
+     sqlite_fsync_every_commit   SQLite synchronous=NORMAL (WAL): no fsync per commit  none known
 
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
-TINKER_LOCAL_MAX_CONTEXT).
+TINKER_LOCAL_MAX_CONTEXT); optional TINKER_LOCAL_SPEED=0 (E off) and TINKER_LOCAL_PROFILE=FILE
+(both processes append one JSON line per request event: benchmarks/local_backend_profile.py).
 """
 from __future__ import annotations
 
@@ -328,6 +343,7 @@ def apply_engine_shims() -> None:
     if speed_enabled():
         shim_slot_local_training(jax_backend)
         shim_unpadded_loss_chunks()
+        shim_sampling_shape_buckets()
         shim_sqlite_commits(engine)
         shim_wakeups_engine(engine)
     model_pass = jax_backend.JaxBackendImpl._model_pass
@@ -830,8 +846,9 @@ def shim_slot_local_training(jax_backend) -> None:
                     embed.num_embeddings, embed.features, sharding=("tp", None), max_lora_adapters=0,
                     dtype=embed.dtype, param_dtype=embed.param_dtype, embedding_init=nnx.initializers.zeros_init(),
                     rngs=nnx.Rngs(0))
-        graphdef = nnx.split(one, one.is_lora_param, ...)[0]
+        graphdef, template, _ = nnx.split(one, one.is_lora_param, ...)  # template: the slot's LoRA shapes
         del one, embed
+        # skyrl's init_lora_adapter draws one key per lora_A leaf in the order nnx.state(model) flattens
         closures = pytypes.SimpleNamespace(graphdef=graphdef,
                                            config=self.config.model_copy(update={"enforce_eager": True}))
         Impl._create_loss_and_grad_fn(closures)  # un-jitted (enforce_eager), on the one-adapter graph
@@ -845,11 +862,12 @@ def shim_slot_local_training(jax_backend) -> None:
         def frozen(path, _value) -> bool:  # the embedding's LoRA leaves, when they cannot train
             return frozen_embed and "embed_tokens" in path and path[-1] in ("lora_A", "lora_B", *scaling_keys)
 
+        lora_a_order = [path for path, _ in nnx.to_flat_state(nnx.state(self.model)) if path[-1] == "lora_A"]
         found = pytypes.SimpleNamespace(
-            graphdef=graphdef, frozen=frozen,
+            graphdef=graphdef, frozen=frozen, template=template, lora_a_order=lora_a_order,
             forward_backward=jax.jit(with_adapter_zero(closures._forward_backward_and_accumulate), donate_argnums=0),
             forward=jax.jit(with_adapter_zero(closures._forward)),
-            update=nnx.jit(closures._compute_grads_and_update), take=jax.jit(one_slot))
+            update=nnx.jit(closures._compute_grads_and_update))
         self.__dict__["_speed_kit"] = found
         return found
 
@@ -857,20 +875,59 @@ def shim_slot_local_training(jax_backend) -> None:
         return self.__dict__.setdefault("_speed_slots", {})
 
     def slot(self, model_id: str) -> _Slot:
-        """The model's own slot, taken from the shared arrays the first time it is needed."""
+        """The model's own slot, made with the model (create_model_with_own_slot)."""
         found = slots(self).get(model_id)
         if found is None:
-            k, idx = kit(self), jnp.int32(self.models[model_id].adapter_index)
-            trainable = lambda path, value: not k.frozen(path, value)  # noqa: E731
-            with jax.set_mesh(self.mesh):
-                non_lora = one_slot(self.non_lora_params.filter(trainable), idx, scaling_keys)  # base weights shared
-                module = nnx.merge(k.graphdef, k.take(self.lora_params.filter(trainable), idx), non_lora)
-                optimizer = nnx.Optimizer(module, optax.inject_hyperparams(optax.adamw)(learning_rate=0.0),
-                                          wrt=module.is_lora_param)
-                _, lora, non_lora = nnx.split(module, module.is_lora_param, ...)
-                grads = jax_backend.AccumulatedGradients.create(lora, 1)
-            found = slots(self)[model_id] = _Slot(module, lora, optimizer, grads)
-            found.non_lora = non_lora
+            raise ValueError(f"Model {model_id} has no training slot (sampler checkpoints do not train)")
+        return found
+
+    def new_slot(self, lora_config) -> _Slot:
+        """A slot initialised exactly as skyrl's init_lora_adapter initialises an adapter in the shared
+        arrays (same keys, same shapes: lora_A he_uniform up to the rank, zeros beyond; lora_B zeros;
+        scaling alpha/rank), without touching them: no copy of the 14-slot arrays, no compile per index."""
+        from skyrl.tx.utils.models import filter_lora
+        k = kit(self)
+        rngs = nnx.Rngs(lora_config.seed)
+        keys = {path: rngs.params() for path in k.lora_a_order}  # drawn in skyrl's order, frozen ones too
+
+        def names_of(path) -> tuple:  # a jax key path over a State of Variables -> its state path
+            return tuple(p.key for p in path if hasattr(p, "key"))
+
+        def rank_of(path) -> int:
+            names = names_of(path)
+            rank = lora_config.rank
+            if "experts" in names:
+                rank = max(1, rank // self.model_config.get_num_experts())
+            return rank if filter_lora(lora_config, names) else 0
+
+        def init(path, value):
+            at = (slice(None), 0) if is_stacked_path(path) else (0,)
+            if names_of(path)[-1] == "lora_A":
+                new = nnx.initializers.he_uniform()(keys[names_of(path)], value[at].shape, value.dtype)
+                return value.at[at].set(new.at[..., rank_of(path):].set(0.0))
+            return jnp.zeros_like(value)
+
+        def scaling(path, value):
+            key = names_of(path)[-1]
+            if key not in scaling_keys:
+                return value
+            rank = rank_of(path)
+            if key == "lora_ranks":
+                return jnp.full_like(value, rank)
+            return jnp.full_like(value, lora_config.alpha / rank if rank > 0 else 0.0)
+
+        trainable = lambda path, value: not k.frozen(path, value)  # noqa: E731
+        with jax.set_mesh(self.mesh):
+            lora = jax.tree.map_with_path(init, k.template)
+            non_lora = jax.tree.map_with_path(scaling, one_slot(self.non_lora_params.filter(trainable), jnp.int32(0),
+                                                                scaling_keys))  # base weights stay shared
+            module = nnx.merge(k.graphdef, lora, non_lora)
+            optimizer = nnx.Optimizer(module, optax.inject_hyperparams(optax.adamw)(learning_rate=0.0),
+                                      wrt=module.is_lora_param)
+            _, lora, non_lora = nnx.split(module, module.is_lora_param, ...)
+            grads = jax_backend.AccumulatedGradients.create(lora, 1)
+        found = _Slot(module, lora, optimizer, grads)
+        found.non_lora = non_lora
         return found
 
     def model_pass_in_slot(self, prepared_batch, model_pass_fn):
@@ -907,19 +964,39 @@ def shim_slot_local_training(jax_backend) -> None:
         return types.OptimStepOutput(metrics=jax.device_get(metrics).to_output_metrics())
 
     def create_model_with_own_slot(self, model_id, lora_config, model_role="policy"):
-        # skyrl's create_model also builds an optimizer over all 14 slots; the slot's own is built on
-        # first use instead.
-        optimizer = nnx.Optimizer
-        nnx.Optimizer = lambda *a, **kw: None
-        try:
-            create_model(self, model_id, lora_config, model_role=model_role)
-        finally:
-            nnx.Optimizer = optimizer
-        slots(self).pop(model_id, None)
+        """A training model gets its index and its own slot; the shared arrays are left alone (skyrl's
+        create_model would init the slot in them, copying every 14-slot array, and build an optimizer
+        over all 14 slots). Sampler checkpoints (the side sampler's "sampler:..." models) are loaded
+        into the shared arrays, which sampling reads: they take skyrl's path, without the optimizer."""
+        if model_id.startswith("sampler:"):
+            optimizer = nnx.Optimizer
+            nnx.Optimizer = lambda *a, **kw: None
+            try:
+                return create_model(self, model_id, lora_config, model_role=model_role)
+            finally:
+                nnx.Optimizer = optimizer
+        # skyrl's own checks and index choice (JaxBackendImpl.create_model), in its words
+        if model_role != "policy":
+            raise ValueError(f"JaxBackend only supports model_role='policy', got {model_role!r}")
+        used = {m.adapter_index for m in self.models.values()}
+        available = set(range(1, self.config.max_lora_adapters)) - used
+        if not available:
+            raise ValueError(f"Maximum number of LoRA adapters ({self.config.max_lora_adapters}) reached")
+        if not (0 < lora_config.rank <= self.config.max_lora_rank):
+            raise ValueError(f"LoRA rank {lora_config.rank} must be between 1 and {self.config.max_lora_rank}")
+        found = new_slot(self, lora_config)
+        self.models[model_id] = types.ModelMetadata(adapter_index=min(available), lora_config=lora_config)
+        self.optimizers[model_id] = found.optimizer
+        slots(self)[model_id] = found
+        jax_backend.logger.info(f"Created model {model_id} with adapter_index={min(available)} (own slot), "
+                                f"config={lora_config}")
 
     def delete_model_and_slot(self, model_id):
-        slots(self).pop(model_id, None)
-        delete_model(self, model_id)
+        if slots(self).pop(model_id, None) is None:
+            return delete_model(self, model_id)
+        # a training slot never wrote the shared arrays: nothing to clear there
+        del self.optimizers[model_id], self.models[model_id]
+        jax_backend.logger.info(f"Deleted model {model_id}")
 
     def extract_from_slot(self, model_id):
         found, rank = slot(self, model_id), self.models[model_id].lora_config.rank
@@ -927,8 +1004,8 @@ def shim_slot_local_training(jax_backend) -> None:
         opt = extract_adapter_state(0, nnx.state(found.optimizer), rank)
         # the frozen embedding LoRA as skyrl stores it (zeros), and zero Adam moments for it under each
         # prefix where the optimizer state repeats the parameter tree (mu, nu)
-        frozen = extract_adapter_state(self.models[model_id].adapter_index,
-                                       self.lora_params.filter(kit(self).frozen), rank)
+        shapes = jax.eval_shape(lambda state: extract_adapter_state(0, state, rank), self.lora_params.filter(kit(self).frozen))
+        frozen = jax.tree.map(lambda shape: jnp.zeros(shape.shape, shape.dtype), shapes)
         if len(frozen.flat_state()):
             prefixes = {path[:path.index("model")] for path, _ in opt.flat_state() if "model" in path}
             zeros = [(prefix + path, type(var)(jnp.zeros_like(var.get_value())))
@@ -985,6 +1062,53 @@ def shim_unpadded_loss_chunks() -> None:
                        min(chunk_size, hidden_states.shape[0] * hidden_states.shape[1]), adapter_indices)
 
     LogitsProcessorMixin._compute_chunked_logprobs = chunked_without_padding
+
+
+def shape_bucket(n: int) -> int:
+    """n rounded up to two significant binary digits (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ...):
+    at most 1.5x the rows or steps, and few distinct shapes to compile."""
+    if n <= 4:
+        return n
+    high = 1 << (n - 1).bit_length()  # the power of two at or above n
+    return high * 3 // 4 if n <= high * 3 // 4 else high
+
+
+def shim_sampling_shape_buckets() -> None:
+    """E. recompiles: skyrl compiles its sampler (one jitted prefill + decode loop, ~4 s of CPU each)
+    for every new batch size (requests x num_samples), number of new tokens and stop-token count; a
+    run of the e2e tests compiled 39 of them. Pad the batch with copies of its first row and round
+    max_tokens up, both to shape_bucket(), and the stop-token lists to a multiple of 4 (with -1, no
+    token); the rows and steps added are cut from the results. Each row samples from its own seed,
+    and a row stops at its own max_tokens, so real rows get the same tokens and logprobs."""
+    import numpy as np
+    from skyrl.tx.utils import generator
+    from skyrl.tx.utils.models import round_up_seq_len
+
+    decode = generator.GeneratorMixin._prefill_and_decode
+    assert "def _prefill_and_decode(" in inspect.getsource(generator.GeneratorMixin), "skyrl's sampler changed"
+
+    def prefill_and_decode_in_buckets(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices,
+                                      temperatures, rngs, stop_tokens, top_k_values, top_p_values, max_top_k,
+                                      use_top_p, prompt_logprobs=False):
+        rows, new_tokens = input_ids.shape[0], shape_bucket(max_new_tokens)
+
+        def pad(array, columns=None, fill=None):
+            array = np.asarray(array)
+            padded = np.concatenate([array, np.repeat(array[:1], shape_bucket(rows) - rows, axis=0)])
+            if columns is not None and columns > padded.shape[1]:
+                padded = np.pad(padded, ((0, 0), (0, columns - padded.shape[1])), constant_values=fill)
+            return padded
+
+        stops = -(-stop_tokens.shape[1] // 4) * 4
+        tokens, logprobs, stop_pos, prompt = decode(
+            model, pad(input_ids), pad(attention_mask), round_up_seq_len(input_ids.shape[1] + new_tokens), new_tokens,
+            None if adapter_indices is None else pad(adapter_indices), pad(temperatures), pad(rngs),
+            pad(stop_tokens, stops, -1), pad(top_k_values), pad(top_p_values), max_top_k, use_top_p,
+            prompt_logprobs=prompt_logprobs)
+        return (tokens[:rows, :max_new_tokens], logprobs[:rows, :max_new_tokens], stop_pos[:rows],
+                None if prompt is None else prompt[:rows])
+
+    generator.GeneratorMixin._prefill_and_decode = staticmethod(prefill_and_decode_in_buckets)
 
 
 def shim_sqlite_commits(module) -> None:
@@ -1295,6 +1419,7 @@ def gaps_still_open() -> dict[str, bool]:
     from skyrl.tinker.db_models import SessionDB
     from skyrl.tinker.db_models import enable_sqlite_wal
     from skyrl.tinker.engine import TinkerEngine
+    from skyrl.tx.utils.generator import GeneratorMixin
     from skyrl.tx.utils.logits_processor import LogitsProcessorMixin
     paths = {getattr(r, "path", None) for r in api.app.router.routes}
     cfg = EngineConfig(base_model="x", backend="jax")
@@ -1333,6 +1458,8 @@ def gaps_still_open() -> dict[str, bool]:
         "engine_loop_sleeps_between_polls": "time.sleep(0.1)" in inspect.getsource(TinkerEngine.process_pending_requests),
         "future_poller_sleeps_between_queries": "asyncio.sleep(poll_interval_sec)" in inspect.getsource(api.poll_futures),
         "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
+        "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
+            in inspect.getsource(GeneratorMixin.generate),
     }
 
 
