@@ -119,10 +119,10 @@ class Side:
         finally:
             del os.environ["TINKER_LOCAL_SPEED"], os.environ["TINKER_LOCAL_PROFILE"]
         self.service = tinker.ServiceClient(base_url=self.server.base_url, api_key=tinker_local.API_KEY)
-        self.training = self.service.create_lora_training_client(tinker_local.DEFAULT_MODEL, rank=RANK, seed=0)
+        self.training = self.service.create_lora_training_client(tinker_local.DEFAULT_MODEL, rank=RANK, seed=0).result()
         self.data, self.adam = batch(), types.AdamParams(learning_rate=1e-4)
         self.first_loss = self.step()[1]
-        self.sampler = self.training.save_weights_and_get_sampling_client("profile")
+        self.sampler = self.training.save_weights_and_get_sampling_client("profile").result()
         self.prompt = types.ModelInput.from_ints(list(range(2000, 2000 + PROMPT)))
         self.params = types.SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=0)
         self.steps: list[dict] = []

@@ -118,8 +118,8 @@ typing_extensions==4.16.0 uvicorn==0.55.0 uvloop==0.23.0 xxhash==4.1.0 yarl==1.2
 zipp==4.1.2 zstandard==0.25.0
 """.split()
 
-# A Qwen3 small enough for a CPU step in about a second; the vocabulary must stay full size
-# because the real tokenizer emits ids up to 151,668.
+# A Qwen3 small enough for a CPU step in a fraction of a second (references/setup.md, "Speed"); the
+# vocabulary must stay full size because the real tokenizer emits ids up to 151,668.
 TINY_QWEN3 = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   tie_word_embeddings=True, max_position_embeddings=40960,

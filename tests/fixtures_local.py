@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -31,7 +32,9 @@ import pytest
 
 import tinker_local
 
-__all__ = ["LocalTinker", "local_backend_install", "local_tinker", "close_service_clients_made_by_the_test"]
+__all__ = ["LocalTinker", "local_backend_install", "local_tinker", "local_sft_run",
+           "close_service_clients_made_by_the_test"]
+ROOT = Path(__file__).resolve().parent.parent
 
 _service_clients: weakref.WeakSet = weakref.WeakSet()  # every tinker.ServiceClient made in this process
 
@@ -126,3 +129,20 @@ def local_tinker(request):
         yield _make(server.base_url, home, server)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def local_sft_run(local_tinker, tmp_path_factory) -> Path:
+    """A finished SFT run folder, trained once per session on the local backend and shared by the tests
+    that only read one: tinker_sft.py on templates/sft_example.jsonl, batch 4, LoRA rank 8, lr 1e-2,
+    4 steps, eval and save every 2 steps, one probe of 8 tokens. Never write into it (a report, a
+    resume): copy it first, `shutil.copytree(local_sft_run, tmp_path / "sft")`."""
+    log = tmp_path_factory.mktemp("local_sft_run") / "runs" / "sft"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "tinker_sft.py"), "--data", str(ROOT / "templates" / "sft_example.jsonl"),
+         "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model, "--batch-size", "4",
+         "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-2",
+         "--lora-rank", "8", "--num-probes", "1", "--max-tokens", "8", "--log-path", str(log)],
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return log

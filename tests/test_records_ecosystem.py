@@ -102,16 +102,9 @@ def test_tinkerscope_reads_the_fields_listed_here_from_a_cookbook_shaped_folder(
 
 
 @pytest.fixture(scope="module")
-def sft_run(local_tinker, tmp_path_factory):
-    log = tmp_path_factory.mktemp("eco") / "runs" / "sft"
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "tinker_sft.py"), "--data", str(ROOT / "templates" / "sft_example.jsonl"),
-         "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model, "--batch-size", "4",
-         "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-2",
-         "--lora-rank", "8", "--num-probes", "0", "--log-path", str(log)],
-        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return log
+def sft_run(local_sft_run):
+    """The session's shared SFT run (fixtures_local.py): tinkerscope only reads it."""
+    return local_sft_run
 
 
 RL_RUN = """
