@@ -1077,8 +1077,8 @@ def shim_sampling_shape_buckets() -> None:
     """E. recompiles: skyrl compiles its sampler (one jitted prefill + decode loop, ~4 s of CPU each)
     for every new batch size (requests x num_samples), number of new tokens and stop-token count; a
     run of the e2e tests compiled 39 of them. Pad the batch with copies of its first row and round
-    max_tokens up, both to shape_bucket(), and the stop-token lists to a multiple of 4 (with -1, no
-    token); the rows and steps added are cut from the results. Each row samples from its own seed,
+    max_tokens up, both to shape_bucket(), and the stop-token lists to a multiple of 4, at least 4
+    (with -1, no token); the rows and steps added are cut from the results. Each row samples from its own seed,
     and a row stops at its own max_tokens, so real rows get the same tokens and logprobs."""
     import numpy as np
     from skyrl.tx.utils import generator
@@ -1099,7 +1099,7 @@ def shim_sampling_shape_buckets() -> None:
                 padded = np.pad(padded, ((0, 0), (0, columns - padded.shape[1])), constant_values=fill)
             return padded
 
-        stops = -(-stop_tokens.shape[1] // 4) * 4
+        stops = max(4, -(-stop_tokens.shape[1] // 4) * 4)  # none, or up to 4: one shape
         tokens, logprobs, stop_pos, prompt = decode(
             model, pad(input_ids), pad(attention_mask), round_up_seq_len(input_ids.shape[1] + new_tokens), new_tokens,
             None if adapter_indices is None else pad(adapter_indices), pad(temperatures), pad(rngs),
