@@ -289,12 +289,49 @@ def jax_only(speed: bool) -> dict:
         backend.sample(engine.prepare_sample_batch({"s": ("", sample_input)}))
         if i >= 1:
             sample_calls.append(time.perf_counter() - t0)
-    return {"speed": speed, "first_loss": first, "create_model_first_s": creates[0],
+    floors = vocab_floors(backend) if speed else {}
+    return {"speed": speed, "first_loss": first, **floors, "create_model_first_s": creates[0],
             "create_model_s": statistics.median(creates[1:]), "delete_model_s": delete_s,
             "jitted_forward_backward_s": statistics.median(jitted[2:]),
             **{f"{k}_s": statistics.median(v) for k, v in calls.items()},
             "new_bucket_first_fb_s": new_shape_s, "new_bucket_warm_fb_s": new_shape_warm_s,
             "sample_s": statistics.median(sample_calls)}
+
+
+def vocab_floors(backend) -> dict:
+    """What the tied LM head (151,936 x 64) costs by itself, on the served weights, jitted, CPU time per
+    call: what remains of a step and of a sample once nothing else is left."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    embedding = backend.non_lora_params["model"]["embed_tokens"]["embedding"].get_value()
+    rng = np.random.RandomState(0)
+    hidden = jnp.asarray(rng.randn(SEQS * TOKENS, embedding.shape[1]).astype(np.float32))
+    targets = jnp.asarray(rng.randint(0, embedding.shape[0], SEQS * TOKENS))
+    rows = jnp.asarray(rng.randn(SAMPLES, embedding.shape[1]).astype(np.float32))
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(SAMPLES))
+
+    def nll(h):
+        logits = h @ embedding.T
+        return -jnp.sum(jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, -1))
+
+    logits = rows @ embedding.T
+    calls = {
+        "floor_lm_head_fwd_bwd_128_tokens_cpu_s": (jax.jit(jax.value_and_grad(nll)), (hidden,)),
+        "floor_decode_lm_head_4_rows_cpu_s": (jax.jit(lambda r: r @ embedding.T), (rows,)),
+        "floor_decode_gumbel_draw_4_rows_cpu_s": (jax.jit(jax.vmap(lambda k, l: jax.random.categorical(k, l))),
+                                                  (keys, logits)),
+        "floor_decode_argmax_and_logsumexp_4_rows_cpu_s": (
+            jax.jit(lambda l: (jnp.argmax(l, -1), jax.nn.logsumexp(l, -1))), (logits,)),
+    }
+    out = {}
+    for name, (fn, args) in calls.items():
+        jax.block_until_ready(fn(*args))
+        c0 = time.process_time()
+        for _ in range(20):
+            jax.block_until_ready(fn(*args))
+        out[name] = (time.process_time() - c0) / 20
+    return out
 
 
 def run_jax_only(speed: bool) -> dict:
@@ -406,6 +443,15 @@ def main(argv=None) -> int:
                 ("sample 4 x 8 from the base model (backend only)", "sample_s")]
         table("JAX alone (medians)", [(label, jax_runs["before"][key], jax_runs["after"][key]) for label, key in rows])
         say(f"first loss, JAX alone: before {jax_runs['before']['first_loss']!r}, after {jax_runs['after']['first_loss']!r}")
+        a = jax_runs["after"]
+        say(f"\nwhat remains: the tied LM head (151,936 x 64), CPU per call, jitted alone:"
+            f"\n  forward + backward over {SEQS * TOKENS} tokens (a step's logprobs): "
+            f"{a['floor_lm_head_fwd_bwd_128_tokens_cpu_s'] * 1000:.1f} ms of the step's "
+            f"{a['forward_backward_cpu_s'] * 1000:.1f} ms forward_backward CPU"
+            f"\n  per decode step of {SAMPLES} rows: LM head {a['floor_decode_lm_head_4_rows_cpu_s'] * 1000:.1f} ms, "
+            f"Gumbel draw over the vocabulary (jax.random.categorical) {a['floor_decode_gumbel_draw_4_rows_cpu_s'] * 1000:.1f} ms, "
+            f"argmax + log-sum-exp {a['floor_decode_argmax_and_logsumexp_4_rows_cpu_s'] * 1000:.1f} ms; "
+            f"x {NEW_TOKENS} steps per sample call")
     result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     say(f"\nload average before {result['load_average_before']}, after {result['load_average_after']} "
         f"({os.cpu_count()} CPUs)")

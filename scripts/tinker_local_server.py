@@ -781,9 +781,8 @@ def speed_enabled() -> bool:
 class _Slot:
     """One training model's own adapter slot: LoRA weights, Adam state, gradient sum (adapter dim 1)."""
 
-    def __init__(self, module, lora, optimizer, grads):
-        self.module, self.lora, self.optimizer, self.grads = module, lora, optimizer, grads
-        self.trained = False  # its weights moved on from the copy in the shared arrays
+    def __init__(self, module, lora, non_lora, optimizer, grads):
+        self.module, self.lora, self.non_lora, self.optimizer, self.grads = module, lora, non_lora, optimizer, grads
 
 
 def shim_slot_local_training(jax_backend) -> None:
@@ -798,7 +797,9 @@ def shim_slot_local_training(jax_backend) -> None:
     dimension 1) and runs forward / forward_backward / optim_step through a copy of the model graph
     built for one adapter, without the embedding's LoRA when embeddings are tied (its output there
     is exactly zero). The math is skyrl's own closures (loss switch, per-sequence normalisation,
-    accumulation, AdamW) rebuilt on that graph. Saves read the slot; checkpoints keep skyrl's
+    accumulation, AdamW) rebuilt on that graph. A training model is created straight into its slot
+    (skyrl's init, same keys and shapes) and unloaded without touching the shared arrays, which also
+    ends 0.5-0.7 GB of optimizer state per live client. Saves read the slot; checkpoints keep skyrl's
     layout (the frozen embedding LoRA and its moments are written as the zeros they are). Sampling
     reads the shared arrays, and only ever samples checkpoints loaded into slots of their own."""
     import copy
@@ -821,10 +822,10 @@ def shim_slot_local_training(jax_backend) -> None:
     model_pass, create_model, delete_model, sample = Impl._model_pass, Impl.create_model, Impl.delete_model, Impl.sample
     scaling_keys = ("lora_scaling", "lora_ranks")
 
-    def one_slot(tree, idx, keys=None):
-        """Slot idx of every adapter-stacked leaf (or of the leaves named in keys); adapter dim kept."""
+    def one_slot(tree, idx, keys):
+        """Slot idx of the adapter-stacked leaves named in keys (adapter dim kept); others as they are."""
         def take(path, x):
-            if keys is not None and path[-2].key not in keys:
+            if path[-2].key not in keys:
                 return x
             return jax.lax.dynamic_slice_in_dim(x, idx, 1, axis=1 if is_stacked_path(path) else 0)
         return jax.tree.map_with_path(take, tree)
@@ -848,7 +849,6 @@ def shim_slot_local_training(jax_backend) -> None:
                     rngs=nnx.Rngs(0))
         graphdef, template, _ = nnx.split(one, one.is_lora_param, ...)  # template: the slot's LoRA shapes
         del one, embed
-        # skyrl's init_lora_adapter draws one key per lora_A leaf in the order nnx.state(model) flattens
         closures = pytypes.SimpleNamespace(graphdef=graphdef,
                                            config=self.config.model_copy(update={"enforce_eager": True}))
         Impl._create_loss_and_grad_fn(closures)  # un-jitted (enforce_eager), on the one-adapter graph
@@ -862,6 +862,7 @@ def shim_slot_local_training(jax_backend) -> None:
         def frozen(path, _value) -> bool:  # the embedding's LoRA leaves, when they cannot train
             return frozen_embed and "embed_tokens" in path and path[-1] in ("lora_A", "lora_B", *scaling_keys)
 
+        # skyrl's init_lora_adapter draws one key per lora_A leaf in the order nnx.state(model) flattens
         lora_a_order = [path for path, _ in nnx.to_flat_state(nnx.state(self.model)) if path[-1] == "lora_A"]
         found = pytypes.SimpleNamespace(
             graphdef=graphdef, frozen=frozen, template=template, lora_a_order=lora_a_order,
@@ -926,9 +927,7 @@ def shim_slot_local_training(jax_backend) -> None:
                                       wrt=module.is_lora_param)
             _, lora, non_lora = nnx.split(module, module.is_lora_param, ...)
             grads = jax_backend.AccumulatedGradients.create(lora, 1)
-        found = _Slot(module, lora, optimizer, grads)
-        found.non_lora = non_lora
-        return found
+        return _Slot(module, lora, non_lora, optimizer, grads)
 
     def model_pass_in_slot(self, prepared_batch, model_pass_fn):
         model_ids = set(prepared_batch.all_model_ids)
@@ -960,7 +959,6 @@ def shim_slot_local_training(jax_backend) -> None:
         hp["weight_decay"][...] = adam.weight_decay
         with jax.set_mesh(self.mesh):
             found.grads, metrics = kit(self).update(found.grads, found.lora, found.optimizer, jnp.int32(0))
-        found.trained = True
         return types.OptimStepOutput(metrics=jax.device_get(metrics).to_output_metrics())
 
     def create_model_with_own_slot(self, model_id, lora_config, model_role="policy"):
@@ -1025,15 +1023,14 @@ def shim_slot_local_training(jax_backend) -> None:
         insert_adapter_state(0, found.lora, checkpoint_data["lora_weights"].filter(trainable), rank)
         if load_optimizer:
             insert_adapter_state(0, nnx.state(found.optimizer), checkpoint_data["optimizer_state"].filter(trainable), rank)
-        found.trained = True
 
     def save_sampler_from_slot(self, output_path, model_id, persist=True):
         found, meta = slot(self, model_id), self.models[model_id]
         save_lora_checkpoint(found.module, self.base_model, meta.lora_config, 0, output_path, self.process_id)
 
     def sample_from_shared(self, prepared_batch):
-        trained = [m for m in set(prepared_batch.all_model_ids) if m in slots(self) and slots(self)[m].trained]
-        assert not trained, f"sampling a training model's slot directly ({trained}): sample a checkpoint"
+        training = [m for m in set(prepared_batch.all_model_ids) if m in slots(self)]
+        assert not training, f"a training model's own slot is not in the shared arrays ({training}): sample a checkpoint"
         return sample(self, prepared_batch)
 
     Impl._model_pass = model_pass_in_slot
