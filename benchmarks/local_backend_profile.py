@@ -17,7 +17,8 @@ What it does:
   3. The breakdown of each call's critical path, from the probes both server processes write
      (TINKER_LOCAL_PROFILE) and the client's clock: SDK request building and sending, the HTTP
      handler (parse, insert, commit), waiting for the engine loop, the engine's DB queries, JAX,
-     result commits, the API's future poller, the response, the SDK's decoding. SDK 0.38 long-polls
+     result commits, the API's future poller, the response, the SDK's decoding; and, off that path,
+     the sessions' heartbeat POSTs and the engine's stale-session sweeps. SDK 0.38 long-polls
      retrieve_future (one request per future, 45 s timeout), so the client adds no polling interval.
   4. In the server venv, without HTTP, database or engine loop, and without the persistent compile
      cache (first calls compile as on a fresh clone; `--no-jax` skips it): create/delete a model,
@@ -424,6 +425,16 @@ def main(argv=None) -> int:
             table(f"{what}: critical path, median of each segment (they need not sum to the median)",
                   [(label, result[what]["before"]["breakdown_median_s"][label],
                     result[what]["after"]["breakdown_median_s"][label]) for label, _ in path])
+    result["sessions"] = {}
+    for name in sides:  # off the critical path, but they share the loop and the database
+        beats = [p["t"] - p["t0"] for p in probes[name] if p["ev"] == "http" and p["path"].endswith("/session_heartbeat")]
+        sweeps = [p["t"] - p["t0"] for p in probes[name] if p["ev"] == "sweep"]
+        result["sessions"][name] = {"heartbeats": len(beats), "heartbeat_median_s": statistics.median(beats) if beats else None,
+                                    "sweeps": len(sweeps), "sweep_median_s": statistics.median(sweeps) if sweeps else None}
+    say("\nsessions (off the critical path): " + "; ".join(
+        f"{name}: {v['heartbeats']} heartbeat POSTs (SDK, every 10 s) of "
+        f"{(v['heartbeat_median_s'] or 0) * 1000:.1f} ms, {v['sweeps']} stale-session sweeps (engine, every 5 s) of "
+        f"{(v['sweep_median_s'] or 0) * 1000:.1f} ms" for name, v in result["sessions"].items()))
     say(f"\nfirst loss (same data, seed 0): before {first['before']!r}, after {first['after']!r}"
         f"{'' if first['before'] == first['after'] else '  <-- DIFFERENT'}")
     say(f"server CPU per round (one step + one sample): before {cpu['before']:.3f} s, after {cpu['after']:.3f} s")

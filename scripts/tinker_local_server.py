@@ -1310,13 +1310,23 @@ def apply_api_probes(api) -> None:
 
 def apply_engine_probes(engine) -> None:
     """Per loop iteration that found work: when it started and which ids its queries found; per
-    batch or single request: its compute time; per commit of results: which ids and how long."""
+    batch or single request: its compute time; per commit of results: which ids and how long; per
+    stale-session sweep: how long."""
     write = _probe_writer()
     if write is None:
         return
     TinkerEngine = engine.TinkerEngine
     once, complete = TinkerEngine.process_pending_requests_once, TinkerEngine._complete_futures
-    singles = TinkerEngine.process_single_requests
+    singles, sweep = TinkerEngine.process_single_requests, TinkerEngine.cleanup_stale_sessions
+
+    def sweep_probed(self):
+        t0 = time.time()
+        try:
+            return sweep(self)
+        finally:
+            write("sweep", t0=t0, t=time.time())
+
+    TinkerEngine.cleanup_stale_sessions = sweep_probed
 
     def once_probed(self):
         self._probe_tick = time.time()
