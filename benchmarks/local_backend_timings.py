@@ -6,8 +6,9 @@ Run (needs `python scripts/tinker_local.py setup` first; starts its own servers)
     python benchmarks/local_backend_timings.py
     python benchmarks/local_backend_timings.py --warm-starts 5 --steps 8
 
-Cold = a cache folder whose JAX compile cache is empty (the tiny model and HF cache are linked
-from the real one, so nothing else differs); warm = the real cache folder. For each it records
+Cold = an empty JAX compile cache (TINKER_LOCAL_JAX_CACHE pointed at a new folder) and a cache
+folder whose tiny model and HF cache are linked from the real one, so nothing else differs; warm =
+the shared compile cache (tinker_local.jax_cache_dir()) and the real cache folder. For each it records
 the time until the engine is ready and the first training step (fb + optim_step on 8 sequences
 of 128 tokens: the first step compiles). On the warm server it then times steady steps (median
 of --steps after 2 untimed) and a sampling call (8 samples of 128 new tokens, median of 3 after
@@ -85,7 +86,12 @@ def main(argv=None) -> int:
         return 1
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        (server, service, _, _), cold_ready, cold_first = start_and_first_step(cold_home(real, Path(tmp)), args.model)
+        os.environ["TINKER_LOCAL_JAX_CACHE"] = str(Path(tmp) / "jax-cache")  # empty: the cold start compiles
+        try:
+            (server, service, _, _), cold_ready, cold_first = start_and_first_step(cold_home(real, Path(tmp)),
+                                                                                   args.model)
+        finally:
+            del os.environ["TINKER_LOCAL_JAX_CACHE"]
         service.close("success").result()
         server.stop()
     warm = []

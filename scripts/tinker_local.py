@@ -90,7 +90,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-local"
 DEFAULT_HOME = REPO / ".cache" / "tinker-local"
 READY_TIMEOUT_SEC = 300  # cold start is ~30 s on an idle 2-core box; a busy one is slower
-MAX_LORA_ADAPTERS = 14   # slot 0 is the base model; ~40 MB per slot per live client at rank 32
+MAX_LORA_ADAPTERS = 14   # slot 0 is the base model; a live client costs its own slot only (setup.md, "Speed")
 DEFAULT_CONTEXT = 32768   # reported when the served name is not in tinker_pricing.py's catalogue
 MAX_LORA_RANK = 32       # the SDK's default rank is 32
 SESSION_TIMEOUT_SEC = 30  # the SDK heartbeats every 10 s; a dead client's adapter is freed after this
@@ -129,8 +129,8 @@ typing_extensions==4.16.0 uvicorn==0.55.0 uvloop==0.23.0 xxhash==4.1.0 yarl==1.2
 zipp==4.1.2 zstandard==0.25.0
 """.split()
 
-# A Qwen3 small enough for a CPU step in about a second; the vocabulary must stay full size
-# because the real tokenizer emits ids up to 151,668.
+# A Qwen3 small enough for a CPU step in a fraction of a second (references/setup.md, "Speed"); the
+# vocabulary must stay full size because the real tokenizer emits ids up to 151,668.
 TINY_QWEN3 = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   tie_word_embeddings=True, max_position_embeddings=40960,
@@ -335,12 +335,26 @@ def client_env(base_url: str, home: Path) -> dict[str, str]:
             "TINKER_LOCAL_LAUNCHER": str(Path(__file__).resolve())}
 
 
+def jax_cache_dir() -> Path:
+    """Compiled XLA programs, shared by every clone, worktree and cache folder of this user: each new
+    batch shape costs a compile of ~4-5 s of CPU once per machine, not once per folder (a fresh clone's
+    test run or rehearsal reuses what an earlier one compiled). Entries are keyed by the program, the
+    jax/jaxlib version and the flags, so folders with other code or versions never collide.
+    $TINKER_LOCAL_JAX_CACHE overrides it (benchmarks/local_backend_timings.py points it at an empty
+    folder for its cold start)."""
+    override = os.environ.get("TINKER_LOCAL_JAX_CACHE")
+    if override:
+        return Path(override).resolve()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tinker-training-inference" / "jax-cache"
+
+
 def _server_env(home: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
         "JAX_PLATFORMS": "cpu",
         # A persistent compile cache cuts a warm start from ~25 s to ~15 s and first steps 3x.
-        "JAX_COMPILATION_CACHE_DIR": str(home / "jax-cache"),
+        "JAX_COMPILATION_CACHE_DIR": str(jax_cache_dir()),
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 ** 30),  # least recently used entries go beyond 1 GiB
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         "HF_HOME": str(hf_home(home)), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -47,10 +47,25 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
                                  its sequence_ratio_mask input                  none known
      sampling_waits_for_training sample batches run on a thread of their own,
                                  beside forward_backward and optim_step         none known
+  F. Speed (the same first loss on the same data; TINKER_LOCAL_SPEED=0 turns F off, for
+     benchmarks/local_backend_profile.py's side-by-side "before")
+     training_steps_update_every_adapter_slot    each training model trains its own slot through a
+                                 one-adapter copy of the graph; creating and unloading it leave
+                                 the 14-slot arrays alone                       none known
+     loss_chunks_pad_small_batches  a batch below loss_chunk_size is one chunk of its own size
+                                 (4 x 32 tokens ran the LM head over 1,024 rows) none known
+     sampler_compiles_per_batch_size_and_length  sampling pads rows and new tokens to
+                                 shape buckets: fewer compiles, same tokens     none known
+     engine_loop_sleeps_between_polls  the engine waits on a UDP wake-up from the API
+                                 process, not a 100 ms sleep                    none known
+     future_poller_sleeps_between_queries  the API's future poller wakes when the engine
+                                 completes futures, not only every 50 ms        none known
+     sqlite_fsync_every_commit   SQLite synchronous=NORMAL (WAL): no fsync per commit  none known
 
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
-TINKER_LOCAL_MAX_CONTEXT).
+TINKER_LOCAL_MAX_CONTEXT); optional TINKER_LOCAL_SPEED=0 (E off) and TINKER_LOCAL_PROFILE=FILE
+(both processes append one JSON line per request event: benchmarks/local_backend_profile.py).
 """
 from __future__ import annotations
 
@@ -91,6 +106,7 @@ def main(argv: list[str]) -> int:
         apply_engine_shims()
         apply_engine_store_shims()
         from skyrl.tinker import engine
+        apply_engine_probes(engine)
         sys.argv = ["skyrl.tinker.engine", *rest]
         engine.main()
         return 0
@@ -103,6 +119,7 @@ def main(argv: list[str]) -> int:
         apply_api_shims(api)
         apply_store_shims(api)
         add_openai_routes(api.app)
+        apply_api_probes(api)
         parser = argparse.ArgumentParser(prog="tinker_local_server.py api")
         add_model(parser, EngineConfig)
         parser.add_argument("--listen-fd", type=int, required=True)
@@ -205,6 +222,9 @@ def apply_api_shims(api) -> None:
 
     api._build_uv_run_cmd_engine = engine_cmd
     app = api.app
+    if speed_enabled():
+        shim_sqlite_commits(api)
+        shim_wakeups_api(api)
 
     def route(path: str, endpoint, **annotations) -> None:
         # Real annotation objects: this file's `from __future__ import annotations` would leave
@@ -328,6 +348,12 @@ def apply_engine_shims() -> None:
     from skyrl.tinker.db_models import SessionDB
     from sqlmodel import Session, update
 
+    if speed_enabled():
+        shim_slot_local_training(jax_backend)
+        shim_unpadded_loss_chunks()
+        shim_sampling_shape_buckets()
+        shim_sqlite_commits(engine)
+        shim_wakeups_engine(engine)
     model_pass = jax_backend.JaxBackendImpl._model_pass
     create_model = jax_backend.JaxBackendImpl.create_model
     run = engine.TinkerEngine.run
@@ -355,6 +381,8 @@ def apply_engine_shims() -> None:
         if len(self.models) >= self.config.max_lora_adapters - 1 and not model_id.startswith("sampler:"):
             unload_sampler_slots(self, keep=len(sampler_slots(self)) - 1)  # training comes first
         create_model(self, model_id, lora_config, model_role=model_role)
+        if speed_enabled():
+            return  # E. slot-local training: a new model's gradient sum starts empty in its own slot
         import jax
         import jax.numpy as jnp
         with jax.set_mesh(self.mesh):
@@ -934,6 +962,635 @@ def add_openai_routes(app) -> None:
         app.post(prefix + "/chat/completions")(chat_completions)
 
 
+# ---------------------------------------------------------------- F. speed (issue 29)
+# The F shims keep the numbers (the same first loss on the same data, checkpoints in skyrl's layout)
+# and cut the time a step spent outside the tiny model's own math. TINKER_LOCAL_SPEED=0 turns them
+# off (benchmarks/local_backend_profile.py runs both side by side).
+
+
+def speed_enabled() -> bool:
+    return os.environ.get("TINKER_LOCAL_SPEED", "1") != "0"
+
+
+class _Slot:
+    """One training model's own adapter slot: LoRA weights, Adam state, gradient sum (adapter dim 1)."""
+
+    def __init__(self, module, lora, non_lora, optimizer, grads):
+        self.module, self.lora, self.non_lora, self.optimizer, self.grads = module, lora, non_lora, optimizer, grads
+
+
+def shim_slot_local_training(jax_backend) -> None:
+    """F. all-slot work: skyrl keeps every adapter slot (MAX_LORA_ADAPTERS = 14) in one stacked array
+    per LoRA weight and differentiates, accumulates and Adam-updates the whole stack at every step;
+    each model's optimizer holds Adam moments for all 14 slots. The embedding's LoRA A alone is
+    14 x 151,936 x 32 floats (272 MB), and with tied embeddings (the tiny Qwen3) it never trains:
+    skyrl gives it rank 0 and scaling 0 (train_unembed is refused), so its gradient is exactly zero.
+    A 4 x 32-token step spent ~0.9 s of CPU in optim_step on slots and weights it does not train.
+
+    Here each training model keeps its own slot (weights, Adam moments, gradient sum; adapter
+    dimension 1) and runs forward / forward_backward / optim_step through a copy of the model graph
+    built for one adapter, without the embedding's LoRA when embeddings are tied (its output there
+    is exactly zero). The math is skyrl's own closures (loss switch, per-sequence normalisation,
+    accumulation, AdamW) rebuilt on that graph. A training model is created straight into its slot
+    (skyrl's init, same keys and shapes) and unloaded without touching the shared arrays, which also
+    ends 0.5-0.7 GB of optimizer state per live client. Saves read the slot; checkpoints keep skyrl's
+    layout (the frozen embedding LoRA and its moments are written as the zeros they are). Sampling
+    reads the shared arrays, and only ever samples checkpoints loaded into slots of their own."""
+    import copy
+    import types as pytypes
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from skyrl.tinker import types
+    from skyrl.tx.layers.lora import LoRAEmbed
+    from skyrl.tx.utils.models import (extract_adapter_state, get_dtype, get_model_class,
+                                       insert_adapter_state, is_stacked_path, save_lora_checkpoint)
+
+    Impl = jax_backend.JaxBackendImpl
+    for name in ("_create_loss_and_grad_fn", "_model_pass", "optim_step", "create_model", "delete_model",
+                 "_extract_checkpoint_data", "_insert_checkpoint_data", "save_sampler_checkpoint", "sample"):
+        assert hasattr(Impl, name), f"skyrl JaxBackendImpl.{name} is gone: the speed shims need skyrl==0.4.0"
+    assert "nnx.Optimizer(" in inspect.getsource(Impl.create_model), "skyrl's create_model changed"
+    model_pass, create_model, delete_model, sample = Impl._model_pass, Impl.create_model, Impl.delete_model, Impl.sample
+    scaling_keys = ("lora_scaling", "lora_ranks")
+
+    def one_slot(tree, idx, keys):
+        """Slot idx of the adapter-stacked leaves named in keys (adapter dim kept); others as they are."""
+        def take(path, x):
+            if path[-2].key not in keys:
+                return x
+            return jax.lax.dynamic_slice_in_dim(x, idx, 1, axis=1 if is_stacked_path(path) else 0)
+        return jax.tree.map_with_path(take, tree)
+
+    def kit(self) -> pytypes.SimpleNamespace:
+        """The one-adapter graph and skyrl's closures rebuilt on it, jitted (built once per engine)."""
+        found = self.__dict__.get("_speed_kit")
+        if found is not None:
+            return found
+        assert self.config.mhc_expansion_rate == 1 and jax.process_count() == 1, "slot-local training: one host, no mHC"
+        config = copy.copy(self.model_config)
+        config.max_lora_adapters = 1
+        with jax.set_mesh(self.mesh):  # built for its graph only (skyrl's layer stacking cannot eval_shape)
+            one = get_model_class(config)(config, dtype=get_dtype(config.get_config().dtype), rngs=nnx.Rngs(0))
+            embed = getattr(getattr(one, "model", None), "embed_tokens", None)
+            frozen_embed = bool(getattr(config.get_config(), "tie_word_embeddings", False)) and isinstance(embed, LoRAEmbed)
+            if frozen_embed:
+                one.model.embed_tokens = LoRAEmbed(
+                    embed.num_embeddings, embed.features, sharding=("tp", None), max_lora_adapters=0,
+                    dtype=embed.dtype, param_dtype=embed.param_dtype, embedding_init=nnx.initializers.zeros_init(),
+                    rngs=nnx.Rngs(0))
+        graphdef, template, _ = nnx.split(one, one.is_lora_param, ...)  # template: the slot's LoRA shapes
+        del one, embed
+        closures = pytypes.SimpleNamespace(graphdef=graphdef,
+                                           config=self.config.model_copy(update={"enforce_eager": True}))
+        Impl._create_loss_and_grad_fn(closures)  # un-jitted (enforce_eager), on the one-adapter graph
+
+        def with_adapter_zero(fn):
+            def run(grads, lora, non_lora, input_ids, attention_mask, *rest):
+                return fn(grads, lora, non_lora, input_ids, attention_mask,
+                          jnp.zeros(input_ids.shape[0], jnp.int32), *rest)
+            return run
+
+        def frozen(path, _value) -> bool:  # the embedding's LoRA leaves, when they cannot train
+            return frozen_embed and "embed_tokens" in path and path[-1] in ("lora_A", "lora_B", *scaling_keys)
+
+        # skyrl's init_lora_adapter draws one key per lora_A leaf in the order nnx.state(model) flattens
+        lora_a_order = [path for path, _ in nnx.to_flat_state(nnx.state(self.model)) if path[-1] == "lora_A"]
+        found = pytypes.SimpleNamespace(
+            graphdef=graphdef, frozen=frozen, template=template, lora_a_order=lora_a_order,
+            forward_backward=jax.jit(with_adapter_zero(closures._forward_backward_and_accumulate), donate_argnums=0),
+            forward=jax.jit(with_adapter_zero(closures._forward)),
+            update=nnx.jit(closures._compute_grads_and_update))
+        self.__dict__["_speed_kit"] = found
+        return found
+
+    def slots(self) -> dict:
+        return self.__dict__.setdefault("_speed_slots", {})
+
+    def slot(self, model_id: str) -> _Slot:
+        """The model's own slot, made with the model (create_model_with_own_slot)."""
+        found = slots(self).get(model_id)
+        if found is None:
+            raise ValueError(f"Model {model_id} has no training slot (sampler checkpoints do not train)")
+        return found
+
+    def new_slot(self, lora_config) -> _Slot:
+        """A slot initialised exactly as skyrl's init_lora_adapter initialises an adapter in the shared
+        arrays (same keys, same shapes: lora_A he_uniform up to the rank, zeros beyond; lora_B zeros;
+        scaling alpha/rank), without touching them: no copy of the 14-slot arrays, no compile per index."""
+        from skyrl.tx.utils.models import filter_lora
+        k = kit(self)
+        rngs = nnx.Rngs(lora_config.seed)
+        keys = {path: rngs.params() for path in k.lora_a_order}  # drawn in skyrl's order, frozen ones too
+
+        def names_of(path) -> tuple:  # a jax key path over a State of Variables -> its state path
+            return tuple(p.key for p in path if hasattr(p, "key"))
+
+        def rank_of(path) -> int:
+            names = names_of(path)
+            rank = lora_config.rank
+            if "experts" in names:
+                rank = max(1, rank // self.model_config.get_num_experts())
+            return rank if filter_lora(lora_config, names) else 0
+
+        def init(path, value):
+            at = (slice(None), 0) if is_stacked_path(path) else (0,)
+            if names_of(path)[-1] == "lora_A":
+                new = nnx.initializers.he_uniform()(keys[names_of(path)], value[at].shape, value.dtype)
+                return value.at[at].set(new.at[..., rank_of(path):].set(0.0))
+            return jnp.zeros_like(value)
+
+        def scaling(path, value):
+            key = names_of(path)[-1]
+            if key not in scaling_keys:
+                return value
+            rank = rank_of(path)
+            if key == "lora_ranks":
+                return jnp.full_like(value, rank)
+            return jnp.full_like(value, lora_config.alpha / rank if rank > 0 else 0.0)
+
+        trainable = lambda path, value: not k.frozen(path, value)  # noqa: E731
+        with jax.set_mesh(self.mesh):
+            lora = jax.tree.map_with_path(init, k.template)
+            non_lora = jax.tree.map_with_path(scaling, one_slot(self.non_lora_params.filter(trainable), jnp.int32(0),
+                                                                scaling_keys))  # base weights stay shared
+            module = nnx.merge(k.graphdef, lora, non_lora)
+            optimizer = nnx.Optimizer(module, optax.inject_hyperparams(optax.adamw)(learning_rate=0.0),
+                                      wrt=module.is_lora_param)
+            _, lora, non_lora = nnx.split(module, module.is_lora_param, ...)
+            grads = jax_backend.AccumulatedGradients.create(lora, 1)
+        return _Slot(module, lora, non_lora, optimizer, grads)
+
+    def model_pass_in_slot(self, prepared_batch, model_pass_fn):
+        model_ids = set(prepared_batch.all_model_ids)
+        if not model_ids:
+            return model_pass(self, prepared_batch, model_pass_fn)
+        # The engine batches passes per model (process_batch_requests(..., per_model=True)).
+        assert len(model_ids) == 1, f"slot-local training expects one model per batch, got {sorted(model_ids)}"
+        found, k = slot(self, model_ids.pop()), kit(self)
+        training = model_pass_fn is self._forward_backward_and_accumulate
+
+        def in_slot(accumulated, lora, non_lora, input_ids, attention_mask, adapter_indices, *rest):
+            grads, losses, logprobs = (k.forward_backward if training else k.forward)(
+                found.grads, found.lora, found.non_lora, input_ids, attention_mask, *rest)
+            if training:
+                found.grads = grads
+            return accumulated, losses, logprobs
+
+        return model_pass(self, prepared_batch, in_slot)
+
+    def optim_step_in_slot(self, model_id, request_data):
+        found = slot(self, model_id)
+        if int(found.grads.counts[0]) == 0:
+            jax_backend.logger.warning(f"No accumulated gradients for model {model_id}; applying step with zero gradients")
+        adam, hp = request_data.adam_params, found.optimizer.opt_state.hyperparams
+        hp["learning_rate"][...] = adam.learning_rate
+        hp["b1"][...] = adam.beta1
+        hp["b2"][...] = adam.beta2
+        hp["eps"][...] = adam.eps
+        hp["weight_decay"][...] = adam.weight_decay
+        with jax.set_mesh(self.mesh):
+            found.grads, metrics = kit(self).update(found.grads, found.lora, found.optimizer, jnp.int32(0))
+        return types.OptimStepOutput(metrics=jax.device_get(metrics).to_output_metrics())
+
+    def create_model_with_own_slot(self, model_id, lora_config, model_role="policy"):
+        """A training model gets its index and its own slot; the shared arrays are left alone (skyrl's
+        create_model would init the slot in them, copying every 14-slot array, and build an optimizer
+        over all 14 slots). Sampler checkpoints (the side sampler's "sampler:..." models) are loaded
+        into the shared arrays, which sampling reads: they take skyrl's path, without the optimizer."""
+        if model_id.startswith("sampler:"):
+            optimizer = nnx.Optimizer
+            nnx.Optimizer = lambda *a, **kw: None
+            try:
+                return create_model(self, model_id, lora_config, model_role=model_role)
+            finally:
+                nnx.Optimizer = optimizer
+        # skyrl's own checks and index choice (JaxBackendImpl.create_model), in its words
+        if model_role != "policy":
+            raise ValueError(f"JaxBackend only supports model_role='policy', got {model_role!r}")
+        used = {m.adapter_index for m in self.models.values()}
+        available = set(range(1, self.config.max_lora_adapters)) - used
+        if not available:
+            raise ValueError(f"Maximum number of LoRA adapters ({self.config.max_lora_adapters}) reached")
+        if not (0 < lora_config.rank <= self.config.max_lora_rank):
+            raise ValueError(f"LoRA rank {lora_config.rank} must be between 1 and {self.config.max_lora_rank}")
+        found = new_slot(self, lora_config)
+        self.models[model_id] = types.ModelMetadata(adapter_index=min(available), lora_config=lora_config)
+        self.optimizers[model_id] = found.optimizer
+        slots(self)[model_id] = found
+        jax_backend.logger.info(f"Created model {model_id} with adapter_index={min(available)} (own slot), "
+                                f"config={lora_config}")
+
+    def delete_model_and_slot(self, model_id):
+        if slots(self).pop(model_id, None) is None:
+            return delete_model(self, model_id)
+        # a training slot never wrote the shared arrays: nothing to clear there
+        del self.optimizers[model_id], self.models[model_id]
+        jax_backend.logger.info(f"Deleted model {model_id}")
+
+    def extract_from_slot(self, model_id):
+        found, rank = slot(self, model_id), self.models[model_id].lora_config.rank
+        weights = extract_adapter_state(0, found.lora, rank)
+        opt = extract_adapter_state(0, nnx.state(found.optimizer), rank)
+        # the frozen embedding LoRA as skyrl stores it (zeros), and zero Adam moments for it under each
+        # prefix where the optimizer state repeats the parameter tree (mu, nu)
+        shapes = jax.eval_shape(lambda state: extract_adapter_state(0, state, rank), self.lora_params.filter(kit(self).frozen))
+        frozen = jax.tree.map(lambda shape: jnp.zeros(shape.shape, shape.dtype), shapes)
+        if len(frozen.flat_state()):
+            prefixes = {path[:path.index("model")] for path, _ in opt.flat_state() if "model" in path}
+            zeros = [(prefix + path, type(var)(jnp.zeros_like(var.get_value())))
+                     for prefix in prefixes for path, var in frozen.flat_state()]
+            weights = nnx.State.merge(weights, frozen)
+            opt = nnx.State.from_flat_path([*opt.flat_state(), *zeros])
+        return {"lora_weights": weights, "optimizer_state": opt,
+                "lora_config": self.models[model_id].lora_config.model_dump()}
+
+    def insert_into_slot(self, model_id, checkpoint_data, load_optimizer):
+        found, k = slot(self, model_id), kit(self)
+        rank = checkpoint_data["lora_config"]["rank"]
+        if self.models[model_id].lora_config.rank != rank:
+            raise ValueError(f"Rank mismatch: checkpoint has rank {rank}, "
+                             f"model configured with rank {self.models[model_id].lora_config.rank}")
+        trainable = lambda path, value: not k.frozen(path, value)  # noqa: E731
+        insert_adapter_state(0, found.lora, checkpoint_data["lora_weights"].filter(trainable), rank)
+        if load_optimizer:
+            insert_adapter_state(0, nnx.state(found.optimizer), checkpoint_data["optimizer_state"].filter(trainable), rank)
+
+    def save_sampler_from_slot(self, output_path, model_id, persist=True):
+        found, meta = slot(self, model_id), self.models[model_id]
+        save_lora_checkpoint(found.module, self.base_model, meta.lora_config, 0, output_path, self.process_id)
+
+    def sample_from_shared(self, prepared_batch):
+        training = [m for m in set(prepared_batch.all_model_ids) if m in slots(self)]
+        assert not training, f"a training model's own slot is not in the shared arrays ({training}): sample a checkpoint"
+        return sample(self, prepared_batch)
+
+    Impl._model_pass = model_pass_in_slot
+    Impl.optim_step = optim_step_in_slot
+    Impl.create_model = create_model_with_own_slot
+    Impl.delete_model = delete_model_and_slot
+    Impl._extract_checkpoint_data = extract_from_slot
+    Impl._insert_checkpoint_data = insert_into_slot
+    Impl.save_sampler_checkpoint = save_sampler_from_slot
+    Impl.sample = sample_from_shared
+
+
+def shim_unpadded_loss_chunks() -> None:
+    """F. shape padding: skyrl computes the LM head's logprobs in chunks of loss_chunk_size tokens
+    (1024) and pads every batch up to a whole chunk, so 4 x 32 tokens ran the 151,936-wide LM head
+    over 1,024 rows, 8x the work (0.9 s of CPU per forward_backward). A batch smaller than one
+    chunk is now one chunk of its own size; larger batches chunk as before."""
+    from skyrl.tx.utils.logits_processor import LogitsProcessorMixin
+
+    chunked = LogitsProcessorMixin._compute_chunked_logprobs
+    assert "pad_amount = num_chunks * chunk_size - total_tokens" in inspect.getsource(chunked), \
+        "skyrl's chunked logprobs changed"
+
+    def chunked_without_padding(self, hidden_states, target_ids, chunk_size, adapter_indices):
+        return chunked(self, hidden_states, target_ids,
+                       min(chunk_size, hidden_states.shape[0] * hidden_states.shape[1]), adapter_indices)
+
+    LogitsProcessorMixin._compute_chunked_logprobs = chunked_without_padding
+
+
+def shape_bucket(n: int) -> int:
+    """n rounded up to two significant binary digits (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, ...):
+    at most 1.5x the rows or steps, and few distinct shapes to compile."""
+    if n <= 4:
+        return n
+    high = 1 << (n - 1).bit_length()  # the power of two at or above n
+    return high * 3 // 4 if n <= high * 3 // 4 else high
+
+
+def shim_sampling_shape_buckets() -> None:
+    """F. recompiles: skyrl compiles its sampler (one jitted prefill + decode loop, ~4 s of CPU each)
+    for every new batch size (requests x num_samples), number of new tokens and stop-token count; a
+    run of the e2e tests compiled 39 of them. Pad the batch with copies of its first row and round
+    max_tokens up, both to shape_bucket(), and the stop-token lists to a multiple of 4, at least 4
+    (with -1, no token); the rows and steps added are cut from the results. Each row samples from its own seed,
+    and a row stops at its own max_tokens, so real rows get the same tokens and logprobs."""
+    import numpy as np
+    from skyrl.tx.utils import generator
+    from skyrl.tx.utils.models import round_up_seq_len
+
+    decode = generator.GeneratorMixin._prefill_and_decode
+    assert "def _prefill_and_decode(" in inspect.getsource(generator.GeneratorMixin), "skyrl's sampler changed"
+
+    def prefill_and_decode_in_buckets(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices,
+                                      temperatures, rngs, stop_tokens, top_k_values, top_p_values, max_top_k,
+                                      use_top_p, prompt_logprobs=False):
+        rows, new_tokens = input_ids.shape[0], shape_bucket(max_new_tokens)
+
+        def pad(array, columns=None, fill=None):
+            array = np.asarray(array)
+            padded = np.concatenate([array, np.repeat(array[:1], shape_bucket(rows) - rows, axis=0)])
+            if columns is not None and columns > padded.shape[1]:
+                padded = np.pad(padded, ((0, 0), (0, columns - padded.shape[1])), constant_values=fill)
+            return padded
+
+        stops = max(4, -(-stop_tokens.shape[1] // 4) * 4)  # none, or up to 4: one shape
+        tokens, logprobs, stop_pos, prompt = decode(
+            model, pad(input_ids), pad(attention_mask), round_up_seq_len(input_ids.shape[1] + new_tokens), new_tokens,
+            None if adapter_indices is None else pad(adapter_indices), pad(temperatures), pad(rngs),
+            pad(stop_tokens, stops, -1), pad(top_k_values), pad(top_p_values), max_top_k, use_top_p,
+            prompt_logprobs=prompt_logprobs)
+        return (tokens[:rows, :max_new_tokens], logprobs[:rows, :max_new_tokens], stop_pos[:rows],
+                None if prompt is None else prompt[:rows])
+
+    generator.GeneratorMixin._prefill_and_decode = staticmethod(prefill_and_decode_in_buckets)
+
+
+def shim_sqlite_commits(module) -> None:
+    """F. database commits: skyrl's SQLite runs in WAL mode with synchronous=FULL, an fsync per
+    commit (~1 ms here; 4-6 commits a step). synchronous=NORMAL keeps WAL's atomicity and survives a
+    crash of either process; only an OS crash can lose the last commits of a rehearsal."""
+    from sqlalchemy import event
+
+    enable = module.enable_sqlite_wal
+
+    def enable_wal_without_fsync(engine) -> None:
+        enable(engine)
+        if engine.dialect.name == "sqlite":
+            @event.listens_for(engine, "connect")
+            def _normal_sync(dbapi_connection, connection_record):
+                cursor = dbapi_connection.cursor()
+                cursor.execute("PRAGMA synchronous=NORMAL")
+                cursor.close()
+
+    module.enable_sqlite_wal = enable_wal_without_fsync
+
+
+WAKE_PORT_ENV = "TINKER_LOCAL_API_WAKE_PORT"  # the API process's wake-up socket, inherited by the engine
+QUIET_POSTS = ("/retrieve_future", "/session_heartbeat", "/telemetry")  # POSTs that give the engine no work
+
+
+def shim_wakeups_api(api) -> None:
+    """F. queueing: a request waited for skyrl's engine loop to wake from its 100 ms sleep (50 ms on
+    average) and its result for the API's 50 ms future poll (25 ms on average), twice per training
+    step. Here the API process tells the engine over a loopback UDP socket when a POST may have
+    queued work, and the engine tells the API when it completed futures; both loops keep their
+    intervals as a fallback, so a lost datagram only costs the old wait."""
+    import asyncio
+    import socket
+    import types as pytypes
+
+    assert "await asyncio.sleep(poll_interval_sec)" in inspect.getsource(api.poll_futures), \
+        "skyrl's future poller changed"
+    wake = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    wake.bind(("127.0.0.1", 0))
+    wake.setblocking(False)
+    os.environ[WAKE_PORT_ENV] = str(wake.getsockname()[1])
+    state: dict = {"engine": None, "event": None}
+
+    def on_datagram() -> None:
+        while True:
+            try:
+                _, state["engine"] = wake.recvfrom(64)  # the engine writes from its own socket
+            except (BlockingIOError, InterruptedError):
+                break
+        state["event"].set()
+
+    def event() -> asyncio.Event:
+        if state["event"] is None:  # first use, inside the server's event loop
+            state["event"] = asyncio.Event()
+            asyncio.get_running_loop().add_reader(wake.fileno(), on_datagram)
+        return state["event"]
+
+    async def sleep(delay, result=None):
+        """asyncio.sleep that ends when the engine reports finished futures. The event stays set
+        until a sleep sees it, so a completion during the poller's query is never missed."""
+        woken = event()
+        if not woken.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(woken.wait(), delay)
+        woken.clear()
+        return result
+
+    # poll_futures (and only skyrl's api module) sees this asyncio, whose sleep can be woken
+    api.asyncio = pytypes.ModuleType("asyncio")
+    api.asyncio.__dict__.update(asyncio.__dict__, sleep=sleep)
+    wait_for_future = api.wait_for_future
+
+    async def wait_for_future_polled_now(waiters, request_id, timeout):
+        asyncio.get_running_loop().call_soon(event().set)  # a result may be in already: query now
+        return await wait_for_future(waiters, request_id, timeout)
+
+    api.wait_for_future = wait_for_future_polled_now
+
+    class WakeEngineAfterPosts:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            await self.app(scope, receive, send)
+            if (scope["type"] == "http" and scope["method"] == "POST" and state["engine"]
+                    and not scope["path"].endswith(QUIET_POSTS)):
+                with contextlib.suppress(OSError):
+                    wake.sendto(b"w", state["engine"])
+
+    api.app.add_middleware(WakeEngineAfterPosts)
+
+
+def shim_wakeups_engine(engine) -> None:
+    """The engine half of shim_wakeups_api: wait on the wake socket instead of sleeping 100 ms."""
+    import select
+    import socket
+
+    port = os.environ.get(WAKE_PORT_ENV)
+    if not port:
+        return  # not started by our API process: keep skyrl's polling
+    TinkerEngine = engine.TinkerEngine
+    assert "time.sleep(0.1)" in inspect.getsource(TinkerEngine.process_pending_requests), \
+        "skyrl's engine loop changed"
+    api_address = ("127.0.0.1", int(port))
+    wake = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    wake.bind(("127.0.0.1", 0))
+    wake.setblocking(False)
+    complete = TinkerEngine._complete_futures
+
+    def send(message: bytes, address) -> None:
+        with contextlib.suppress(OSError):
+            wake.sendto(message, address)
+
+    def complete_and_tell(self, results):
+        complete(self, results)
+        send(b"d", api_address)
+        if threading.current_thread() is not threading.main_thread():
+            send(b"w", wake.getsockname())  # the side sampler is done: the loop may start the next batch
+
+    def process_until_woken(self):
+        send(b"hello", api_address)  # tells the API where the engine listens
+        while True:
+            self.process_pending_requests_once()
+            if select.select([wake], [], [], 0.1)[0]:
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    while wake.recv(64):
+                        pass
+
+    TinkerEngine._complete_futures = complete_and_tell
+    TinkerEngine.process_pending_requests = process_until_woken
+
+
+# ---------------------------------------------------------------- profile probes (benchmarks only)
+# With TINKER_LOCAL_PROFILE=FILE both processes append one JSON line per event to FILE (wall clock,
+# same machine): benchmarks/local_backend_profile.py joins them by request id into where a call's
+# time went. Off (no wrapper installed) otherwise.
+
+PROFILE_ENV = "TINKER_LOCAL_PROFILE"
+
+
+def _probe_writer():
+    path = os.environ.get(PROFILE_ENV)
+    if not path:
+        return None
+    out = open(path, "a", buffering=1)
+    lock = threading.Lock()
+
+    def write(event: str, **fields) -> None:
+        line = json.dumps({"ev": event, "pid": os.getpid(), **fields})
+        with lock:
+            out.write(line + "\n")
+
+    return write
+
+
+def apply_api_probes(api) -> None:
+    """HTTP in/out per request (with the request id it created or waited for), and when the future
+    poller resolved each awaited id."""
+    import contextvars
+
+    write = _probe_writer()
+    if write is None:
+        return
+    current = contextvars.ContextVar("tinker_local_probe", default=None)
+    create_future, wait_for_future = api.create_future, api.wait_for_future
+
+    async def create_future_probed(*args, **kwargs):
+        request_id = await create_future(*args, **kwargs)
+        if current.get() is not None:
+            current.get()["rid"] = int(request_id)
+        write("created", rid=int(request_id), t=time.time())
+        return request_id
+
+    async def wait_for_future_probed(waiters, request_id, timeout):
+        if current.get() is not None:
+            current.get()["rid"] = int(request_id)
+        t0 = time.time()
+        row = await wait_for_future(waiters, request_id, timeout)
+        write("resolved", rid=int(request_id), t0=t0, t=time.time())
+        return row
+
+    class ProbeHttp:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            record, t0 = {}, time.time()
+            token = current.set(record)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                current.reset(token)
+                write("http", path=scope["path"], t0=t0, t=time.time(), rid=record.get("rid"))
+
+    api.create_future = create_future_probed
+    api.wait_for_future = wait_for_future_probed
+    api.app.add_middleware(ProbeHttp)
+
+
+def apply_engine_probes(engine) -> None:
+    """Per loop iteration that found work: when it started and which ids its queries found; per
+    batch or single request: its compute time; per commit of results: which ids and how long; per
+    stale-session sweep: how long."""
+    write = _probe_writer()
+    if write is None:
+        return
+    TinkerEngine = engine.TinkerEngine
+    once, complete = TinkerEngine.process_pending_requests_once, TinkerEngine._complete_futures
+    singles, sweep = TinkerEngine.process_single_requests, TinkerEngine.cleanup_stale_sessions
+
+    def sweep_probed(self):
+        t0 = time.time()
+        try:
+            return sweep(self)
+        finally:
+            write("sweep", t0=t0, t=time.time())
+
+    TinkerEngine.cleanup_stale_sessions = sweep_probed
+
+    def once_probed(self):
+        self._probe_tick = time.time()
+        return once(self)
+
+    def finder(name):
+        find = getattr(TinkerEngine, name)
+
+        def find_probed(self, session, *args):
+            t0 = time.time()
+            found = find(self, session, *args)
+            if found:
+                write("found", rids=[int(r) for r in found], tick=getattr(self, "_probe_tick", t0), t0=t0,
+                      t=time.time(), what=name)
+            return found
+        return find_probed
+
+    def batch(name):
+        run = getattr(TinkerEngine, name)
+
+        def run_probed(self, requests):
+            t0 = time.time()
+            try:
+                return run(self, requests)
+            finally:
+                write("compute", rids=[int(r) for r in requests], kind=name, t0=t0, t=time.time())
+        return run_probed
+
+    def singles_probed(self, requests):
+        order, inner = iter(list(requests)), self.process_single_request
+
+        def one(request_type, model_id, request_data):
+            rid, t0 = next(order), time.time()
+            try:
+                return inner(request_type, model_id, request_data)
+            finally:
+                write("compute", rids=[int(rid)], kind=request_type.value, t0=t0, t=time.time())
+
+        self.process_single_request = one
+        try:
+            return singles(self, requests)
+        finally:
+            del self.process_single_request
+
+    def complete_probed(self, results):
+        t0 = time.time()
+        complete(self, results)
+        write("commit", rids=[int(r) for r in results], t0=t0, t=time.time())
+
+    TinkerEngine.process_pending_requests_once = once_probed
+    for name in ("find_batchable_model_passes", "find_batchable_sample", "find_single_requests"):
+        setattr(TinkerEngine, name, finder(name))
+    for name in ("process_forward_backward", "process_forward"):
+        setattr(TinkerEngine, name, batch(name))
+    TinkerEngine.process_single_requests = singles_probed
+    TinkerEngine._complete_futures = complete_probed
+    from skyrl.backends import jax as jax_backend
+    sample = jax_backend.JaxBackendImpl.sample
+
+    def sample_probed(self, prepared_batch):
+        t0 = time.time()
+        try:
+            return sample(self, prepared_batch)
+        finally:
+            write("compute", rids=[int(s[0]) for s in prepared_batch.request_batch_slices], kind="sample",
+                  t0=t0, t=time.time())
+
+    jax_backend.JaxBackendImpl.sample = sample_probed
+
+
 def check_shims() -> int:
     """Import skyrl with every shim applied and check the versions they were written for."""
     from importlib.metadata import version
@@ -963,7 +1620,10 @@ def gaps_still_open() -> dict[str, bool]:
     from skyrl.tinker import api, types
     from skyrl.tinker.config import EngineConfig
     from skyrl.tinker.db_models import SessionDB
+    from skyrl.tinker.db_models import enable_sqlite_wal
     from skyrl.tinker.engine import TinkerEngine
+    from skyrl.tx.utils.generator import GeneratorMixin
+    from skyrl.tx.utils.logits_processor import LogitsProcessorMixin
     paths = {getattr(r, "path", None) for r in api.app.router.routes}
     cfg = EngineConfig(base_model="x", backend="jax")
     try:
@@ -996,6 +1656,15 @@ def gaps_still_open() -> dict[str, bool]:
             + inspect.getsource(api.validate_checkpoint),
         "stale_gradients_survive_slot_reuse": "reset_adapter" not in inspect.getsource(JaxBackendImpl.create_model)
             + inspect.getsource(JaxBackendImpl.delete_model),
+        "training_steps_update_every_adapter_slot": "self.lora_params" in inspect.getsource(JaxBackendImpl.optim_step)
+            and "nnx.Optimizer(self.model" in inspect.getsource(JaxBackendImpl.create_model),
+        "loss_chunks_pad_small_batches": "num_chunks * chunk_size - total_tokens" in inspect.getsource(
+            LogitsProcessorMixin._compute_chunked_logprobs),
+        "engine_loop_sleeps_between_polls": "time.sleep(0.1)" in inspect.getsource(TinkerEngine.process_pending_requests),
+        "future_poller_sleeps_between_queries": "asyncio.sleep(poll_interval_sec)" in inspect.getsource(api.poll_futures),
+        "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
+        "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
+            in inspect.getsource(GeneratorMixin.generate),
     }
 
 

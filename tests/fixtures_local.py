@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -31,7 +32,9 @@ import pytest
 
 import tinker_local
 
-__all__ = ["LocalTinker", "local_backend_install", "local_tinker", "close_service_clients_made_by_the_test"]
+__all__ = ["LocalTinker", "local_backend_install", "local_tinker", "local_sft_run", "local_rl_run",
+           "close_service_clients_made_by_the_test"]
+ROOT = Path(__file__).resolve().parent.parent
 
 _service_clients: weakref.WeakSet = weakref.WeakSet()  # every tinker.ServiceClient made in this process
 
@@ -126,3 +129,52 @@ def local_tinker(request):
         yield _make(server.base_url, home, server)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def local_sft_run(local_tinker, tmp_path_factory) -> Path:
+    """A finished SFT run folder, trained once per session on the local backend and shared by the tests
+    that only read one: tinker_sft.py on templates/sft_example.jsonl, batch 4, LoRA rank 8, lr 1e-2,
+    4 steps, eval and save every 2 steps, one probe of 8 tokens. Never write into it (a report, a
+    resume): copy it first, `shutil.copytree(local_sft_run, tmp_path / "sft")`."""
+    log = tmp_path_factory.mktemp("local_sft_run") / "runs" / "sft"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "tinker_sft.py"), "--data", str(ROOT / "templates" / "sft_example.jsonl"),
+         "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model, "--batch-size", "4",
+         "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-2",
+         "--lora-rank", "8", "--num-probes", "1", "--max-tokens", "8", "--log-path", str(log)],
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return log
+
+
+LOCAL_RL_RUN = """
+import sys
+sys.path.insert(0, {scripts!r})
+import tinker_rl
+
+# --rehearse off: these tasks, not the script's rehearsal task
+tinker_rl.TASKS = [{{"id": i}} for i in range(4)]
+tinker_rl.EVAL_TASKS = [{{"id": i}} for i in range(4, 6)]  # held out, same shape
+tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
+# always differs between random samples: no group ties, so iteration 0 trains
+tinker_rl.reward = lambda task, text: sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
+sys.exit(tinker_rl.run_cli(tinker_rl.main, sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="session")
+def local_rl_run(local_tinker, tmp_path_factory) -> Path:
+    """A finished RL run folder, trained once per session on the local backend and shared by the tests
+    that only read one: tinker_rl.py (the code in LOCAL_RL_RUN: 4 tasks, reward = the share of ASCII
+    letters) with batch 2, group 4, 8 new tokens, 3 iterations, a checkpoint every iteration, LoRA rank 8,
+    lr 0.003, seed 0. Never write into it: copy it first, as for `local_sft_run`."""
+    log = tmp_path_factory.mktemp("local_rl_run") / "runs" / "rl"
+    out = subprocess.run(
+        [sys.executable, "-c", LOCAL_RL_RUN.format(scripts=str(ROOT / "scripts")), "--tokenizer",
+         str(local_tinker.tokenizer_dir), "--rehearse", "off", "--model-name", local_tinker.model, "--lora-rank", "8",
+         "--batch-size", "2", "--group-size", "4", "--max-tokens", "8", "--iterations", "3", "--save-every", "1",
+         "--learning-rate", "0.003", "--seed", "0", "--log-path", str(log)],
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return log

@@ -102,44 +102,15 @@ def test_tinkerscope_reads_the_fields_listed_here_from_a_cookbook_shaped_folder(
 
 
 @pytest.fixture(scope="module")
-def sft_run(local_tinker, tmp_path_factory):
-    log = tmp_path_factory.mktemp("eco") / "runs" / "sft"
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "tinker_sft.py"), "--data", str(ROOT / "templates" / "sft_example.jsonl"),
-         "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model, "--batch-size", "4",
-         "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-2",
-         "--lora-rank", "8", "--num-probes", "0", "--log-path", str(log)],
-        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return log
-
-
-RL_RUN = """
-import sys
-sys.path.insert(0, {scripts!r})
-import tinker_rl
-
-# --rehearse off: these tasks, not the script's rehearsal task
-tinker_rl.TASKS = [{{"id": i}} for i in range(4)]
-tinker_rl.EVAL_TASKS = [{{"id": i}} for i in range(4, 6)]  # held out, same shape
-tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
-tinker_rl.reward = lambda task, text: sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
-sys.exit(tinker_rl.run_cli(tinker_rl.main, sys.argv[1:]))
-"""
+def sft_run(local_sft_run):
+    """The session's shared SFT run (fixtures_local.py): tinkerscope only reads it."""
+    return local_sft_run
 
 
 @pytest.fixture(scope="module")
-def rl_run(local_tinker, tmp_path_factory):
-    log = tmp_path_factory.mktemp("eco") / "runs" / "rl"
-    out = subprocess.run(
-        [sys.executable, "-c", RL_RUN.format(scripts=str(SCRIPTS)), "--tokenizer", str(local_tinker.tokenizer_dir),
-         "--rehearse", "off", "--model-name", local_tinker.model, "--lora-rank", "8", "--batch-size", "2",
-         "--group-size", "4",
-         "--max-tokens", "8", "--iterations", "2", "--save-every", "1", "--learning-rate", "0.003",
-         "--seed", "0", "--log-path", str(log)],
-        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return log
+def rl_run(local_rl_run):
+    """The session's shared RL run (fixtures_local.py): tinkerscope only reads it."""
+    return local_rl_run
 
 
 def discovered(log, tmp_path, env=None):

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -297,15 +298,9 @@ def test_without_chromium_the_browser_test_fails_naming_the_install_command(monk
 
 
 @pytest.mark.e2e
-def test_report_of_a_local_sft_run_renders_in_chromium(local_tinker, tmp_path):
+def test_report_of_a_local_sft_run_renders_in_chromium(local_sft_run, tmp_path):
     log = tmp_path / "sft"
-    out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "tinker_sft.py"), "--data", str(ROOT / "templates" / "sft_example.jsonl"),
-         "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model, "--batch-size", "4",
-         "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-2",
-         "--lora-rank", "8", "--num-probes", "1", "--max-tokens", "8", "--log-path", str(log)],
-        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.copytree(local_sft_run, log)  # the session's shared run (fixtures_local.py); the report is written here
     report, result = make_report(log)
     assert result["kind"] == "sft" and result["in_progress"] is False and result["skipped_lines"] == {}
     page = report.read_text()
@@ -333,32 +328,10 @@ def test_report_of_a_local_sft_run_renders_in_chromium(local_tinker, tmp_path):
     assert 0 < cost["y"][-1] < after["cost/cumulative_usd"] <= estimate  # samples may stop before --max-tokens
 
 
-RL_RUN = """
-import sys
-sys.path.insert(0, {scripts!r})
-import tinker_rl
-
-# --rehearse off: these tasks, not the script's rehearsal task
-tinker_rl.TASKS = [{{"id": i}} for i in range(4)]
-tinker_rl.EVAL_TASKS = [{{"id": i}} for i in range(4, 6)]  # held out, same shape
-tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
-# always differs between random samples: no group ties, so iteration 0 trains
-tinker_rl.reward = lambda task, text: sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
-sys.exit(tinker_rl.run_cli(tinker_rl.main, sys.argv[1:]))
-"""
-
-
 @pytest.mark.e2e
-def test_report_of_a_local_rl_run_renders_in_chromium(local_tinker, tmp_path):
+def test_report_of_a_local_rl_run_renders_in_chromium(local_rl_run, tmp_path):
     log = tmp_path / "rl"
-    out = subprocess.run(
-        [sys.executable, "-c", RL_RUN.format(scripts=str(SCRIPTS)), "--tokenizer", str(local_tinker.tokenizer_dir),
-         "--rehearse", "off", "--model-name", local_tinker.model, "--lora-rank", "8", "--batch-size", "2",
-         "--group-size", "4",
-         "--max-tokens", "8", "--iterations", "3", "--save-every", "2", "--learning-rate", "0.003",
-         "--seed", "0", "--log-path", str(log)],
-        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.copytree(local_rl_run, log)  # the session's shared run (fixtures_local.py); the report is written here
     report, result = make_report(log)
     assert result["kind"] == "rl" and result["in_progress"] is False
     page = report.read_text()
