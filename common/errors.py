@@ -1,6 +1,7 @@
 """Errors and exit codes: every script fails with one line on stderr and a documented exit code."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -148,3 +149,10 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     if error_json:
         emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
     return code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage error is one line naming --help (exit 2), not the usage block."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"error: {self.prog}: {message}; see {self.prog} --help\n")

@@ -9,17 +9,15 @@
 #     "rich>=13",
 # ]
 # ///
-"""Sample from a Tinker model or checkpoint, and find, export and merge checkpoints.
+"""Sample from a Tinker base model or checkpoint: by name, or exactly as a training run trained it.
 
 Run:
     python tinker_infer.py --model Qwen/Qwen3-8B --prompt "What is 2+2?" --max-tokens 64
     python tinker_infer.py --run logs/my-sft --prompt "Where is my invoice?"   # as trained: format, system prompt, greedy
     python tinker_infer.py --run logs/my-sft --input prompts.jsonl --out answers.jsonl --seed 0
     python tinker_infer.py --http --model tinker://RUN/sampler_weights/final --prompt "Hi" --stop "\\n"
-    python tinker_infer.py checkpoints list --run RUN_ID
-    python tinker_infer.py checkpoints resolve logs/my-sft --kind sampler
-    python tinker_infer.py checkpoints export tinker://RUN/sampler_weights/final --out adapter/
-    python tinker_infer.py checkpoints merge adapter/ --base path/to/hf-base-model --out merged/
+    python tinker_infer.py --run logs/my-sft --prompt "Hi" --dry-run   # the prompt as rendered; no key, no call
+    Checkpoints (list, resolve, export, merge) are tinker_checkpoints.py's job.
 
 Routes:
     SDK (default): tinker.ServiceClient -> create_sampling_client -> sample(); the prompt is
@@ -36,32 +34,8 @@ Routes:
       recorded template kwargs, so use the SDK route to sample a run in its exact format.
     Before the first request: credentials, then one TCP connection to the service (3 s): a dead
       TINKER_BASE_URL or --base-url is exit 4 in seconds, not minutes of SDK retries.
-
-Checkpoints:
-    list [--run ID|LOG_DIR]   newest first: path, type, size, expiry (server listing; the
-                              local backend has no account-wide listing, so every run's
-                              checkpoints are listed instead)
-    resolve RUN_ID|LOG_DIR|PATH [--kind sampler|state]   the latest path of that kind (from a
-                              tinker:// path: the same save of that kind first)
-    export PATH --out DIR     external_weights/: the signed URLs from
-                              RestClient.get_external_weights_urls (SDK 0.38's route);
-                              weights/: the official `tinker checkpoint download` (it exports
-                              through save_weights_external and deletes the copy);
-                              sampler_weights/: SDK 0.38 has no route, so the server's
-                              archive route GET /api/v1/training_runs/{run}/checkpoints/{name}/archive
-                              is tried (the local backend serves it: a tar.gz PEFT adapter),
-                              else the error names the same run's weights/ path. Downloads
-                              show progress, check Content-Length and any MD5/SHA-256 the
-                              server sends, and extract safely (absolute paths, `..` and
-                              links leaving DIR are refused before anything is written).
-                              Files land in a hidden folder beside DIR that becomes DIR only
-                              when complete: a failed export leaves no half-written DIR.
-    merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
-                              model's Hugging Face weights (needs torch + peft, an optional
-                              extra; install torch first, then `pip install peft safetensors`).
-                              Local backend caveats: checkpoints live in the checkpoint store
-                              of its cache folder (any later server finds them, for 30 days);
-                              weights/ export is unavailable.
+    --dry-run: everything before the first request, offline: the prompts as rendered (SDK route)
+      or the request bodies (--http), the stop tokens, and what the sampling costs at most.
 
 Edit:
     Nothing for the common case. To post-process completions, edit `render_prompt()` (turns
@@ -73,8 +47,8 @@ Outputs:
       "stop_reason", "prompt_tokens", "completion_tokens", "usd"}], "usd", "out"}. `--json` only
       silences the human-readable display on stderr. With --input FILE.jsonl and --out,
       one JSONL row per input row, in input order: {"index", "prompt"|"messages", "samples"}.
-    checkpoints list -> {"checkpoints": [...]}; resolve -> {"path", "kind", "source"};
-    export -> {"out", "files", "bytes", "route"}; merge -> {"out", "target_modules", ...}.
+    --dry-run: {"status": "dry_run", "route", "model", "format", "sampling", "prompts":
+      [{"prompt_index", "prompt_tokens", "text"}] (SDK) or "endpoint" and "bodies" (--http), "estimate_usd"}.
     On failure: {"status": "error"|"interrupted", "exit_code", "error"} and one line on stderr.
 
 Requires:
@@ -86,17 +60,11 @@ Requires:
 from __future__ import annotations
 
 import argparse
-import base64
 import concurrent.futures
 import contextlib
-import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -115,16 +83,11 @@ SAMPLE_FLAG_RULES = {
 }
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line with the next step, not argparse's usage block
-        self.exit(2, f"error: {self.prog}: {message}; see {self.prog} --help\n")
-
-
 def sample_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="tinker_infer.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Checkpoint commands: tinker_infer.py checkpoints {list,resolve,export,merge} --help\n\n"
+        epilog="Checkpoints: tinker_checkpoints.py {list,resolve,export,merge} --help\n\n"
                + __doc__.split("\n\n", 1)[1].split("Edit:")[0])
     p.add_argument("--model", help=f"base model name or tinker://RUN/sampler_weights/NAME (default {DEFAULT_MODEL}, "
                                    f"or the run's final sampler path with --run)")
@@ -157,37 +120,9 @@ def sample_parser() -> argparse.ArgumentParser:
                                       "else the hosted service)")
     p.add_argument("--timeout", type=float, default=HTTP_TIMEOUT_S, help=f"--http request timeout in s (default {HTTP_TIMEOUT_S:g})")
     p.add_argument("--retries", type=int, default=HTTP_RETRIES, help=f"--http retries on 429/5xx (default {HTTP_RETRIES})")
+    p.add_argument("--dry-run", action="store_true", help="render and check everything, print what would be sent and "
+                                                          "what it costs at most; no credentials needed, nothing sampled")
     p.add_argument("--json", action="store_true", help="print only the JSON object (stdout), no display on stderr")
-    return p
-
-
-def checkpoints_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="tinker_infer.py checkpoints", description="Find, export and merge checkpoints.",
-               formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="action", required=True, parser_class=Parser)
-    ls = sub.add_parser("list", help="checkpoints, newest first: path, type, size, expiry")
-    ls.add_argument("--run", metavar="RUN_ID|LOG_DIR", help="only this run's checkpoints")
-    ls.add_argument("--limit", type=int, default=100, help="at most this many rows (default 100; 0 = all)")
-    ls.add_argument("--json", action="store_true", help="no table on stderr")
-    rs = sub.add_parser("resolve", help="the latest checkpoint path of a kind, from a run id or a log folder")
-    rs.add_argument("target", metavar="RUN_ID|LOG_DIR|PATH",
-                    help="a run id, a log folder, or a tinker:// path (then the same save of --kind comes first)")
-    rs.add_argument("--kind", choices=["sampler", "state"], default="sampler",
-                    help="sampler: sampler_weights/ (for sampling); state: weights/ (for --resume); default sampler")
-    ex = sub.add_parser("export", help="download a checkpoint's files into a folder",
-                        description="Routes: external_weights/ via signed URLs (SDK 0.38); weights/ via the official "
-                                    "`tinker checkpoint download`; sampler_weights/ via the server's archive route when "
-                                    "it offers one (the local backend does), a tar.gz extracted safely.")
-    ex.add_argument("path", metavar="PATH", help="tinker://RUN/{weights,sampler_weights,external_weights}/NAME")
-    ex.add_argument("--out", required=True, metavar="DIR")
-    ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    mg = sub.add_parser("merge", help="merge a PEFT LoRA adapter into Hugging Face base weights (needs torch, peft)")
-    mg.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="folder with adapter_config.json + adapter_model.safetensors")
-    mg.add_argument("--base", required=True, metavar="BASE_DIR", help="the base model's Hugging Face folder")
-    mg.add_argument("--out", required=True, metavar="DIR")
-    mg.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                    help="dtype to merge and save in (default auto: the base model's)")
-    mg.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return p
 
 
@@ -204,13 +139,9 @@ def render_prompt(row: dict, fmt: dict, tokenizer) -> list[int]:
 
 
 def completion_text(tokens: list[int], tokenizer, stop_ids: list[int], stop_strings: list[str]) -> str:
-    """Completion tokens -> text: drop a trailing stop token, cut at the first stop string
-    (the OpenAI convention, so both routes print the same text)."""
-    if tokens and tokens[-1] in stop_ids:
-        tokens = tokens[:-1]
-    text = tokenizer.decode(tokens, skip_special_tokens=False)
-    cuts = [text.find(s) for s in stop_strings if s and s in text]
-    return text[: min(cuts)] if cuts else text
+    """Completion tokens -> text: drop a trailing stop token, cut at the first stop string (the OpenAI
+    convention, so both routes print the same text; common/sampling.py)."""
+    return decode_completion(tokens, tokenizer, stop_ids, stop_strings)
 
 
 # ==== main flow ====
@@ -223,14 +154,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dispatch(argv: list[str]) -> int:
-    if argv and argv[0] == "checkpoints":
-        args = checkpoints_parser().parse_args(argv[1:])
-        args.json = getattr(args, "json", False)
-        command = {"list": cmd_list, "resolve": cmd_resolve, "export": cmd_export, "merge": cmd_merge}[args.action]
-        result = command(args)
-    else:
-        result = cmd_sample(sample_parser().parse_args(argv))
-    print(json.dumps(result, ensure_ascii=False, default=str))
+    if argv and argv[0] == "checkpoints":  # the old spelling: name the command that replaced it, exactly
+        raise DataError("`tinker_infer.py checkpoints` is now tinker_checkpoints.py; next: "
+                        + script_command("tinker_checkpoints.py", *(argv[1:] or ["--help"])))
+    print(json.dumps(cmd_sample(sample_parser().parse_args(argv)), ensure_ascii=False, default=str))
     return EXIT_OK
 
 
@@ -240,23 +167,29 @@ def cmd_sample(args) -> dict:
     check_numbers(args, SAMPLE_FLAG_RULES)
     rows = load_inputs(args)
     model, recorded, tokenizer_name = resolve_target(args)
-    system = run_sampling_defaults(args, recorded)
+    if args.run:  # as the run's probes sampled, unless the flags say otherwise
+        args.temperature, system = run_sampling(args.run, args.temperature, args.system)
+    else:
+        args.temperature = DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+        system = args.system or None
     sent = with_system_prompt(rows, system, (recorded or {}).get("kind") or args.format or "chat")
     if args.out:
         check_writable_dir(Path(args.out).parent, "--out's folder")
         if Path(args.out).is_dir():
             raise DataError(f"--out {args.out} is a folder; expected a JSONL file path")
+    sampling = {"n": args.n, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "stop": args.stop or [], "seed": args.seed, "system": system}
+    if args.dry_run:
+        return {"status": "dry_run", "route": "http" if args.http else "sdk", "model": model, "sampling": sampling,
+                **(http_dry_run(args, sent, model, recorded) if args.http
+                   else sdk_dry_run(args, sent, model, recorded, tokenizer_name))}
     if args.http:
         result = sample_http(args, sent, model, recorded)
     else:
         result = sample_sdk(args, sent, model, recorded, tokenizer_name)
     pricing_model = result.get("base_model") or (model if not model.startswith("tinker://") else None)
     usd = price_samples(pricing_model, result["samples"]) if pricing_model else None
-    result.update(status="ok", route="http" if args.http else "sdk", usd=usd,
-                  sampling={"n": args.n, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                            "top_p": args.top_p, "top_k": args.top_k, "stop": args.stop or [], "seed": args.seed,
-                            "system": system},
-                  out=None)
+    result.update(status="ok", route="http" if args.http else "sdk", usd=usd, sampling=sampling, out=None)
     if args.out:
         write_results(args.out, rows, result["samples"])
         result["out"] = str(args.out)
@@ -271,16 +204,11 @@ def sample_sdk(args, rows: list[dict], model: str, recorded: dict | None, tokeni
         check_sampler_path(model)
     # Credentials, reachability and (for a base model) the served-model check, then the tokenizer named by
     # the flags, the run record or the base model: all before the first sampling request.
-    service, _ = connect(None if is_path else model, trainable=False, flag="--model", dry_run_hint=False)
+    service, _ = connect(None if is_path else model, trainable=False, flag="--model", dry_run_hint=True)
     status = "errored"
     try:
         tokenizer = load_sampling_tokenizer(tokenizer_name or (None if is_path else model))
-        try:
-            future = (service.create_sampling_client(model_path=model) if is_path
-                      else service.create_sampling_client(base_model=model))
-            client = future.result()
-        except Exception as e:
-            raise tinker_failure(e, "creating the sampling client", model)
+        client = sampling_client(service, model)
         base_model = client.get_base_model()
         if tokenizer is None:  # a bare tinker:// path: its base model names the tokenizer
             tokenizer_name = base_model
@@ -304,25 +232,13 @@ def sample_with(client, tokenizer, args, rows, model, fmt) -> dict:
 
     template_ok = check_template(fmt, tokenizer)
     stop_ids = format_stop_ids(fmt, tokenizer)
-    # One SamplingParams.stop holds either strings or token ids, never both: with --stop,
-    # the format's stop tokens travel as their token strings.
-    if args.stop:
-        stop = list(args.stop) + [tokenizer.decode([t], skip_special_tokens=False) for t in stop_ids]
-    else:
-        stop = stop_ids
     params = tinker.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                   top_k=args.top_k, seed=args.seed, stop=stop)
+                                   top_k=args.top_k, seed=args.seed,
+                                   stop=sampling_stop(stop_ids, list(args.stop or []), tokenizer))
     prompts = [render_prompt(row, fmt, tokenizer) for row in rows]
-    # Submit every prompt before awaiting any: the server batches them.
-    futures = [client.sample(tinker.ModelInput.from_ints(p), num_samples=args.n, sampling_params=params)
-               for p in prompts]
     samples = []
-    for i, (prompt, fut) in enumerate(zip(prompts, futures)):
-        try:
-            response = fut.result()
-        except Exception as e:
-            raise tinker_failure(e, f"sampling prompt {i}", model)
-        for j, seq in enumerate(response.sequences):
+    for i, (prompt, sequences) in enumerate(zip(prompts, sample_prompts(client, prompts, params, args.n, model))):
+        for j, seq in enumerate(sequences):
             tokens = list(seq.tokens)
             samples.append({"prompt_index": i, "sample_index": j,
                             "text": completion_text(tokens, tokenizer, stop_ids, list(args.stop or [])),
@@ -337,7 +253,7 @@ def sample_http(args, rows: list[dict], model: str, recorded: dict | None) -> di
 
     if model.startswith("tinker://"):
         check_sampler_path(model)
-    key = require_credentials(dry_run_hint=False)
+    key = require_credentials(dry_run_hint=True)
     fmt = recorded or {"kind": args.format or "chat"}
     base = oai_base_url(args)
     check_reachable(base, setting="--base-url" if args.base_url else "TINKER_BASE_URL")
@@ -347,23 +263,7 @@ def sample_http(args, rows: list[dict], model: str, recorded: dict | None) -> di
             f"{sorted(fmt['template_kwargs'])} are not applied (the SDK route applies them)")
     url = base + ("/chat/completions" if chat else "/completions")
     headers = {"Authorization": f"Bearer {key}"}
-
-    def body_for(row: dict) -> dict:
-        body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "top_p": args.top_p, "n": args.n}
-        if chat:
-            body["messages"] = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-        else:
-            body["prompt"] = row["prompt"] if "prompt" in row else _role_colon_text(row["messages"])
-        if args.stop:
-            body["stop"] = list(args.stop)
-        if args.seed is not None:
-            body["seed"] = args.seed
-        if args.top_k != -1:
-            body["top_k"] = args.top_k
-        return body
-
-    bodies = [body_for(row) for row in rows]
+    bodies = [http_body(args, row, model, chat) for row in rows]
     with httpx.Client(timeout=args.timeout) as client:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(bodies))) as pool:
             responses = list(pool.map(lambda b: post_with_retries(client, url, b, headers, args.retries), bodies))
@@ -382,7 +282,52 @@ def sample_http(args, rows: list[dict], model: str, recorded: dict | None) -> di
     return {"model": model, "base_model": None, "format": fmt, "endpoint": url, "samples": samples}
 
 
-# ==== helpers: inputs, run record, target, tokenizer, format ====
+def sdk_dry_run(args, rows: list[dict], model: str, recorded: dict | None, tokenizer_name: str | None) -> dict:
+    """The prompts as the SDK route would send them, offline, and the most they can cost (every sample running
+    to --max-tokens)."""
+    is_path = model.startswith("tinker://")
+    if is_path:
+        check_sampler_path(model)
+    name = tokenizer_name or (None if is_path else model)
+    tokenizer = load_sampling_tokenizer(name)
+    if tokenizer is None:  # only the server knows a bare tinker:// path's base model
+        raise DataError(f"a dry run of {model} needs the tokenizer to render with; pass --tokenizer NAME_OR_DIR "
+                        "(its base model's name), or --run LOG_DIR")
+    fmt = recorded or resolve_format(args.format or "chat", model, tokenizer, tokenizer_record(name),
+                                     thinking=args.thinking)
+    template_ok = check_template(fmt, tokenizer)
+    stop_ids = format_stop_ids(fmt, tokenizer)
+    prompts = [render_prompt(row, fmt, tokenizer) for row in rows]
+    shown = [{"prompt_index": i, "prompt_tokens": len(p), "text": tokenizer.decode(p, skip_special_tokens=False)}
+             for i, p in enumerate(prompts)]
+    if not args.json:
+        for p in shown:
+            say(f"--- prompt {p['prompt_index']} as rendered ({p['prompt_tokens']} tokens; stop tokens {stop_ids})")
+            say(p["text"])
+    base = (Run(args.run).config().get("model_name") if args.run else None) if is_path else model
+    tokens = sum(len(p) for p in prompts)
+    est = estimate(base, {"prefill": tokens, "cached_prefill": tokens * (args.n - 1),
+                          "sample": len(prompts) * args.n * args.max_tokens}, None,
+                   label="sampling at most (every sample to --max-tokens)") if base else None
+    return {"format": {**fmt, "stop": stop_ids}, "template_matches_run": template_ok, "prompts": shown,
+            "estimate_usd": estimate_total(est)}
+
+
+def http_dry_run(args, rows: list[dict], model: str, recorded: dict | None) -> dict:
+    """The requests the --http route would POST (the server renders them), offline."""
+    if model.startswith("tinker://"):
+        check_sampler_path(model)
+    chat = (recorded or {"kind": args.format or "chat"})["kind"] == "chat"
+    url = oai_base_url(args) + ("/chat/completions" if chat else "/completions")
+    bodies = [http_body(args, row, model, chat) for row in rows]
+    if not args.json:
+        say(f"POST {url}")
+        for body in bodies:
+            say(json.dumps(body, ensure_ascii=False))
+    return {"endpoint": url, "bodies": bodies, "estimate_usd": None}
+
+
+# ==== helpers: inputs, target ====
 def load_inputs(args) -> list[dict]:
     given = [x for x in (args.prompt, args.messages, args.input) if x is not None]
     if len(given) != 1:
@@ -413,191 +358,11 @@ def resolve_target(args) -> tuple[str, dict | None, str | None]:
     """(model or sampler path, the run's recorded format or None, tokenizer) from the flags and the run."""
     if not args.run:
         return args.model or DEFAULT_MODEL, None, args.tokenizer
-    row = latest_row(read_run_record(args.run), "sampler", args.run)
-    fmt = dict(row.get("format") or {})
-    if fmt.get("kind") not in ("chat", "raw"):
-        raise DataError(f"{args.run}/checkpoints.jsonl has no \"format\" with kind chat|raw; "
-                        f"sample it with --model {row['sampler_path']} --format chat|raw")
-    if args.format and args.format != fmt["kind"]:
-        raise DataError(f"--format {args.format} contradicts the run, which trained in {fmt['kind']} format; "
-                        "drop --format to sample as trained")
-    if args.thinking and fmt["kind"] == "chat" and not fmt.get("template_kwargs", {}).get("enable_thinking"):
-        raise DataError("--thinking contradicts the run, which trained with thinking off; drop --thinking to "
-                        "sample as trained")
-    if fmt["kind"] == "chat":  # records older than the shared renderer may lack these keys
-        fmt.setdefault("template_kwargs", {})
-        fmt.setdefault("template_sha256", "")
-    return args.model or row["sampler_path"], fmt, args.tokenizer or fmt.get("tokenizer")
+    sampler_path, fmt = run_format(args.run, kind=args.format, thinking=args.thinking)
+    return args.model or sampler_path, fmt, args.tokenizer or fmt.get("tokenizer")
 
 
-def run_sampling_defaults(args, recorded: dict | None) -> str | None:
-    """Fill --temperature (greedy with --run, as the run's probes; else Tinker's default) and return the system
-    prompt to use: --system, else with --run the one every training example shared (LOG/config.json)."""
-    config = {}
-    if args.run:
-        with contextlib.suppress(OSError, ValueError):
-            config = json.loads((Path(args.run) / "config.json").read_text(encoding="utf-8"))
-    if args.temperature is None:
-        args.temperature = (config.get("probe_sampling") or {}).get("temperature", 0.0) if args.run else DEFAULT_TEMPERATURE
-        if args.run:
-            say(f"sampling at temperature {args.temperature:g}, as the run's probes (--temperature changes it)")
-    if args.system is not None or not args.run:
-        return args.system or None
-    kind = config.get("system_prompts")
-    if kind == "shared":
-        say(f"system prompt: the one every training example of {args.run} carried ({config['system_prompt'][:60]!r}"
-            f"{'...' if len(config['system_prompt']) > 60 else ''}); --system '' samples without it")
-        return config["system_prompt"]
-    if kind == "differ":
-        say(f"note: the training examples of {args.run} carry different system prompts, so none is added; pass "
-            "--system TEXT (or --messages with a system turn) to prompt as one of them did")
-    return None
-
-
-def with_system_prompt(rows: list[dict], system: str | None, kind: str) -> list[dict]:
-    """The rows as sent: in chat format, `system` first in every row that has no system turn of its own."""
-    if not system:
-        return rows
-    if kind != "chat":
-        say("note: --system applies to the chat format only; this run samples raw text, so it is not used")
-        return rows
-    out = []
-    for row in rows:
-        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-        if messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": system}, *messages]
-        out.append({"messages": messages})
-    return out
-
-
-def read_run_record(log_dir: str) -> list[dict]:
-    """The rows of LOG_DIR/checkpoints.jsonl (a torn last line from a kill is skipped, as on --resume)."""
-    rows_file = Path(log_dir) / "checkpoints.jsonl"
-    if not rows_file.is_file():
-        raise DataError(f"{rows_file} not found; expected the log folder of a tinker_sft.py/tinker_rl.py run; "
-                        f"next: ls {log_dir}")
-    rows = Run(log_dir).rows("checkpoints.jsonl")
-    if not rows:
-        raise DataError(f"{rows_file} has no checkpoint yet; let the run save one (--save-every) and retry")
-    return rows
-
-
-def latest_row(rows: list[dict], kind: str, where: str) -> dict:
-    key = "sampler_path" if kind == "sampler" else "state_path"
-    for row in reversed(rows):
-        if row.get(key):
-            return row
-    other = "state" if kind == "sampler" else "sampler"
-    raise DataError(f"{where} records no {key}; it has only {other} checkpoints; next: "
-                    + script_command("tinker_infer.py", "checkpoints", "resolve", where, "--kind", other))
-
-
-def load_sampling_tokenizer(name_or_path: str | None):
-    """The tokenizer to render and decode with, or None when only the sampling client can name it."""
-    if name_or_path and name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
-        # A run recorded a folder that is not here; the base model's tokenizer is next best, and
-        # check_template() warns if its template is not the run's.
-        say(f"warning: tokenizer folder {name_or_path} not found from here; using the base model's tokenizer "
-            "(pass --tokenizer DIR to choose)")
-        return None
-    return load_tokenizer(name_or_path) if name_or_path else None
-
-
-def format_stop_ids(fmt: dict, tokenizer) -> list[int]:
-    """The format's stop token ids: as recorded, else the end-of-turn token the shared renderer trains."""
-    recorded = [int(t) for t in fmt.get("stop") or [] if isinstance(t, int) or str(t).isdigit()]
-    if recorded:
-        return sorted(set(recorded))
-    if fmt.get("kind") == "chat" and "template_kwargs" not in fmt:  # a model by name: its default chat format
-        fmt = chat_format(tokenizer, name=fmt.get("tokenizer") or "the tokenizer")
-    return stop_tokens(tokenizer, fmt)
-
-
-def check_template(fmt: dict, tokenizer) -> bool | None:
-    """Whether the tokenizer's chat template is the one the run recorded (None: nothing recorded)."""
-    recorded = fmt.get("template_sha256")
-    if not recorded or fmt["kind"] != "chat":
-        return None
-    actual = chat_format(tokenizer, name=fmt.get("tokenizer") or "?")["template_sha256"]
-    if actual != recorded:
-        say(f"warning: this tokenizer's chat template (sha256 {actual[:12]}) is not the one the run trained with "
-            f"({recorded[:12]}); pass --tokenizer with the run's tokenizer")
-    return actual == recorded
-
-
-# ==== helpers: tinker:// paths and SDK errors ====
-def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
-    """tinker://RUN/SEGMENT/NAME -> (run, segment, name); None if not a tinker path."""
-    if not path.startswith("tinker://"):
-        return None
-    parts = path[len("tinker://"):].split("/")
-    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights", "external_weights") or not all(parts):
-        raise DataError(f"{path} is not a checkpoint path; expected tinker://RUN_ID/sampler_weights/NAME "
-                        "(or weights/, external_weights/); next: " + script_command("tinker_infer.py", "checkpoints", "list"))
-    return parts[0], parts[1], parts[2]
-
-
-def run_checkpoints(run_id: str) -> list:
-    """The server's checkpoints of one run, newest first ([] if it cannot list them)."""
-    try:
-        # Only a hint: never wait long for it (the SDK retries a dead server for minutes).
-        require_credentials(dry_run_hint=False)
-        check_reachable()
-        listing = rest_client().list_checkpoints(run_id).result(timeout=20)
-    except Exception:
-        return []
-    return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
-
-
-def check_sampler_path(path: str) -> None:
-    """A weights/ or external_weights/ path cannot be sampled: say which path can."""
-    run, segment, name = parse_tinker_path(path)
-    if segment == "sampler_weights":
-        return
-    samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
-    same_name = f"tinker://{run}/sampler_weights/{name}"
-    if same_name in samplers:
-        hint = f"sample the same run's sampler path: --model {same_name}"
-    elif samplers:
-        hint = f"this run's newest sampler path is {samplers[0]}; pass it as --model"
-    else:
-        hint = ("save one with training_client.save_weights_for_sampler(name) and pass its "
-                "tinker://.../sampler_weights/... path")
-    kind = "resumable training state (save_state)" if segment == "weights" else "an export for download"
-    raise DataError(f"{path} is {kind}, which cannot be sampled; sampling needs a sampler_weights/ path; {hint}")
-
-
-def tinker_failure(e: Exception, what: str, model: str | None = None) -> ScriptError:
-    """An SDK exception as a one-line error with its exit code and the next step."""
-    import tinker
-
-    message = one_line(e)
-    if isinstance(e, (tinker.AuthenticationError, tinker.PermissionDeniedError)):
-        return AccessError(f"{what}: Tinker rejected the API key ({message}); next: check TINKER_API_KEY")
-    if isinstance(e, tinker.APIConnectionError):
-        return AccessError(f"{what}: cannot reach {service_url()} ({message}); next: check the network or "
-                           "TINKER_BASE_URL")
-    lowered = message.lower()
-    if "not loaded" in lowered:
-        return ScriptError(f"{what}: the server no longer has the model behind {model} loaded ({message}); "
-                           f"next: sample a sampler_weights/ checkpoint of it ({script_command('tinker_infer.py', 'checkpoints', 'list')}), "
-                           "or restore its last save_state path")
-    if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
-        run = parse_tinker_path(model)[0] if model and model.startswith("tinker://") else None
-        hint = script_command("tinker_infer.py", "checkpoints", "list", *(["--run", run] if run else []))
-        if os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the local backend: what keeps a checkpoint there
-            hint += (" (local backend: checkpoints stay in the store of its cache folder for "
-                     "30 days, the oldest pruned beyond 2 GB; a server started with --run-dir sees only that "
-                     "folder's; `tinker_local.py prune --all` deletes them)")
-        return DataError(f"{what}: {model or 'the checkpoint'} is unknown or expired ({message}); next: {hint}")
-    if isinstance(e, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
-        return DataError(f"{what}: the server rejected the request ({message})")
-    if isinstance(e, tinker.RequestFailedError) and str(getattr(e, "category", "")).lower().endswith("user"):
-        return DataError(f"{what}: the server rejected the request ({message})")
-    return ScriptError(f"{what} failed: {message}")
-
-
-# ==== helpers: HTTP route, pricing, output ====
+# ==== helpers: HTTP route, output ====
 def oai_base_url(args) -> str:
     if args.base_url:
         return args.base_url.rstrip("/")
@@ -606,17 +371,21 @@ def oai_base_url(args) -> str:
     return HOSTED_OAI_BASE_URL
 
 
-def server_message(response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:300] or response.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        return str(err)[:300]
-    return str(body)[:300]
+def http_body(args, row: dict, model: str, chat: bool) -> dict:
+    """One OpenAI-style request: messages for /chat/completions, a prompt for /completions."""
+    body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "n": args.n}
+    if chat:
+        body["messages"] = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    else:
+        body["prompt"] = row["prompt"] if "prompt" in row else _role_colon_text(row["messages"])
+    if args.stop:
+        body["stop"] = list(args.stop)
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.top_k != -1:
+        body["top_k"] = args.top_k
+    return body
 
 
 def post_with_retries(client, url: str, body: dict, headers: dict, retries: int) -> dict:
@@ -653,43 +422,6 @@ def post_with_retries(client, url: str, body: dict, headers: dict, retries: int)
     raise AssertionError("unreachable")
 
 
-def estimate_usd(model: str, prompt_tokens: int, completion_tokens: int) -> float | None:
-    pricing = load_pricing()
-    if pricing is None:
-        return None
-    try:
-        est = pricing.estimate_cost(model, prefill=prompt_tokens, cached_prefill=0, sample=completion_tokens)
-    except Exception:  # unknown or unpriced model: no estimate, never a failure
-        return None
-    usd = est.get("usd", est) if isinstance(est, dict) else est
-    total = usd.get("total") if isinstance(usd, dict) else usd
-    return float(total) if isinstance(total, (int, float)) else None
-
-
-def price_samples(model: str, samples: list[dict]) -> float | None:
-    """Each sample's estimate (the n samples of one prompt share its prefill, charged with the first), and
-    the total."""
-    def prefill(s):
-        return (s["prompt_tokens"] or 0) if s["sample_index"] == 0 else 0
-
-    for s in samples:
-        s["usd"] = estimate_usd(model, prefill(s), s["completion_tokens"] or 0)
-    return estimate_usd(model, sum(prefill(s) for s in samples), sum(s["completion_tokens"] or 0 for s in samples))
-
-
-def write_results(out: str, rows: list[dict], samples: list[dict]) -> None:
-    """One row per input row, in input order; written beside --out and renamed, so never half-written."""
-    by_prompt: dict[int, list] = {}
-    for s in samples:
-        by_prompt.setdefault(s["prompt_index"], []).append({k: v for k, v in s.items() if k != "prompt_index"})
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(f"{out}.partial")
-    with open(partial, "w", encoding="utf-8") as f:
-        for i, row in enumerate(rows):
-            f.write(json.dumps({"index": i, **row, "samples": by_prompt.get(i, [])}, ensure_ascii=False) + "\n")
-    os.replace(partial, out)
-
-
 def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
     for s in result["samples"]:
         row = rows[s["prompt_index"]]
@@ -703,409 +435,7 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
     say(f"=== {len(result['samples'])} samples from {result['model']} ({result['format']['kind']} format) | est. cost {cost}")
 
 
-# ==== checkpoints: list / resolve ====
-def cmd_list(args) -> dict:
-    check_numbers(args, {"limit": dict(low=0)})
-    run = run_id_of(args.run) if args.run else None
-    require_credentials(dry_run_hint=False)
-    check_reachable()
-    import tinker
-
-    rest = rest_client()
-    try:
-        if run:
-            checkpoints = list(rest.list_checkpoints(run).result().checkpoints)
-        else:
-            try:
-                checkpoints = list(rest.list_user_checkpoints(limit=args.limit).result().checkpoints)
-            except tinker.NotFoundError:
-                # Servers without the account-wide listing (the local backend): walk the runs.
-                runs = rest.list_training_runs(limit=100).result().training_runs
-                checkpoints = []
-                for r in runs:
-                    try:
-                        checkpoints += rest.list_checkpoints(r.training_run_id).result().checkpoints
-                    except tinker.APIStatusError as e:  # one unreadable run must not hide the rest
-                        say(f"warning: skipped run {r.training_run_id}: {one_line(e, 120)}")
-    except Exception as e:
-        raise tinker_failure(e, "listing checkpoints", args.run if args.run and args.run.startswith("tinker://") else None)
-    checkpoints.sort(key=lambda c: c.time, reverse=True)
-    rows = [checkpoint_row(c) for c in checkpoints[: args.limit or None]]
-    if not args.json:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table("path", "type", "size", "created", "expires")
-        for r in rows:
-            size = f"{r['size_bytes'] / 1e6:.1f} MB" if r["size_bytes"] else "-"
-            table.add_row(r["path"], r["type"], size, (r["time"] or "-")[:19], (r["expires_at"] or "never")[:19])
-        # Paths are what people copy: never cut them to the terminal's width.
-        width = max([len(r["path"]) for r in rows] + [4]) + 70
-        Console(stderr=True, width=max(width, shutil.get_terminal_size().columns)).print(table)
-    return {"status": "ok", "checkpoints": rows}
-
-
-def cmd_resolve(args) -> dict:
-    if Path(args.target).is_dir():
-        row = latest_row(read_run_record(args.target), args.kind, args.target)
-        path = row["sampler_path"] if args.kind == "sampler" else row["state_path"]
-        result = {"status": "ok", "path": path, "kind": args.kind, "source": "run record",
-                  "step": row.get("step"), "name": row.get("name"), "format": row.get("format")}
-    else:
-        run = run_id_of(args.target)
-        require_credentials(dry_run_hint=False)
-        check_reachable()
-        wanted = "sampler" if args.kind == "sampler" else "training"
-        try:
-            checkpoints = rest_client().list_checkpoints(run).result().checkpoints
-        except Exception as e:
-            raise tinker_failure(e, f"listing the checkpoints of run {run}")
-        found = sorted((c for c in checkpoints if c.checkpoint_type == wanted), key=lambda c: c.time, reverse=True)
-        if args.target.startswith("tinker://"):  # the other kind of the same save first
-            name = parse_tinker_path(args.target)[2]
-            found.sort(key=lambda c: c.tinker_path.rsplit("/", 1)[-1] != name)
-        if not found:
-            kinds = sorted({c.checkpoint_type for c in checkpoints}) or ["none"]
-            raise DataError(f"run {run} has no {wanted} checkpoint (it has: {', '.join(kinds)}); "
-                            f"next: tinker_infer.py checkpoints list --run {run}")
-        result = {"status": "ok", "path": found[0].tinker_path, "kind": args.kind, "source": "server",
-                  "time": found[0].time.isoformat()}
-    say(result["path"])
-    return result
-
-
-def checkpoint_row(c) -> dict:
-    return {"path": c.tinker_path, "type": c.checkpoint_type, "time": c.time.isoformat() if c.time else None,
-            "size_bytes": c.size_bytes, "expires_at": c.expires_at.isoformat() if c.expires_at else None,
-            "public": c.public}
-
-
-def run_id_of(arg: str) -> str:
-    """A run id from a run id, a tinker:// path or a log folder's run record."""
-    if arg.startswith("tinker://"):
-        return parse_tinker_path(arg)[0]
-    if Path(arg).is_dir():
-        row = read_run_record(arg)[-1]
-        return parse_tinker_path(row.get("state_path") or row["sampler_path"])[0]
-    return arg
-
-
-# ==== checkpoints: export (download + safe extraction) ====
-def cmd_export(args) -> dict:
-    run, segment, name = parse_tinker_path(args.path) or (None, None, None)
-    if segment is None:
-        raise DataError(f"{args.path} is not a tinker:// checkpoint path; next: tinker_infer.py checkpoints list")
-    out = check_writable_dir(args.out, "--out")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise DataError(f"{out} exists and is not empty; pass --overwrite or another --out")
-    key = require_credentials(dry_run_hint=False)
-    check_reachable()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Everything lands in a hidden folder beside --out first: a failed export leaves no half-written --out.
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:
-        if segment == "external_weights":
-            result = export_external(args.path, staging)
-        elif segment == "weights":
-            result = export_state_with_cli(args.path, staging, out)
-        else:
-            result = export_sampler_archive(args.path, staging, out, key)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except UnsafeArchive as e:
-        raise ScriptError(str(e)) from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    say(f"exported {args.path} -> {out} ({len(result['files'])} files, {result['bytes']} bytes, via {result['route']})")
-    return {"status": "ok", "path": args.path, "out": str(out), **result}
-
-
-class UnsafeArchive(Exception):
-    """An archive or file list that would write outside the target folder: nothing is written."""
-
-    exit_code = 1  # a runtime failure (EXIT_FAILURE): the server sent it; the user's input was fine
-
-
-class DownloadError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(f"{status}: {message}")
-        self.status = status
-
-
-def safe_extract(archive: str | Path, target: str | Path) -> list[str]:
-    """Extract a tar archive into target, refusing it whole if any entry would land outside.
-
-    Refused before anything is written: absolute names, names that climb out with `..`,
-    symbolic or hard links whose target leaves `target`, devices and FIFOs.
-    """
-    target = Path(target).resolve()
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        for m in members:
-            name = m.name
-            if name.startswith(("/", "\\")) or os.path.isabs(name) or (len(name) > 1 and name[1] == ":"):
-                raise UnsafeArchive(f"refusing archive {archive}: absolute path {name!r}")
-            dest = (target / name).resolve()
-            if not dest.is_relative_to(target):
-                raise UnsafeArchive(f"refusing archive {archive}: {name!r} leaves the target folder")
-            if m.issym():
-                link = Path(m.linkname)
-                resolved = link.resolve() if link.is_absolute() else (dest.parent / link).resolve()
-                if not resolved.is_relative_to(target):
-                    raise UnsafeArchive(f"refusing archive {archive}: link {name!r} -> {m.linkname!r} points outside")
-            elif m.islnk():
-                if os.path.isabs(m.linkname) or not (target / m.linkname).resolve().is_relative_to(target):
-                    raise UnsafeArchive(f"refusing archive {archive}: hard link {name!r} -> {m.linkname!r} points outside")
-            elif not (m.isfile() or m.isdir()):
-                raise UnsafeArchive(f"refusing archive {archive}: {name!r} is a device or FIFO")
-        target.mkdir(parents=True, exist_ok=True)
-        # The "data" filter repeats these checks inside tarfile and drops unsafe modes.
-        tar.extractall(target, filter="data")
-        return sorted(m.name for m in members if m.isfile())
-
-
-def expected_digests(headers) -> dict[str, str]:
-    """Checksums a server may send: Content-MD5, x-goog-hash md5=, Digest sha-256=, x-checksum-sha256."""
-    digests = {}
-    if headers.get("content-md5"):
-        digests["md5"] = base64.b64decode(headers["content-md5"]).hex()
-    for part in (headers.get("x-goog-hash") or "").split(","):
-        if part.strip().startswith("md5="):
-            digests["md5"] = base64.b64decode(part.strip()[4:]).hex()
-    for part in (headers.get("digest") or "").split(","):
-        if part.strip().lower().startswith("sha-256="):
-            digests["sha256"] = base64.b64decode(part.strip()[8:]).hex()
-    if headers.get("x-checksum-sha256"):
-        digests["sha256"] = headers["x-checksum-sha256"].lower()
-    return digests
-
-
-def download(url: str, dest: Path, headers: dict | None = None, label: str = "") -> int:
-    """Stream url to dest with a progress bar; verify length and any checksum offered."""
-    import httpx
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    hashes = {"md5": hashlib.md5(), "sha256": hashlib.sha256()}
-    size = 0
-    try:
-        with httpx.stream("GET", url, headers=headers or {}, follow_redirects=True, timeout=HTTP_TIMEOUT_S) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise DownloadError(response.status_code, server_message(response))
-            total = int(response.headers.get("content-length") or 0) or None
-            digests = expected_digests(response.headers)
-            with open(dest, "wb") as f, Progress("{task.description}", BarColumn(), DownloadColumn(),
-                                                 TransferSpeedColumn(), console=Console(stderr=True),
-                                                 transient=True) as progress:
-                task = progress.add_task(label or dest.name, total=total)
-                for chunk in response.iter_bytes(1 << 20):
-                    f.write(chunk)
-                    size += len(chunk)
-                    for h in hashes.values():
-                        h.update(chunk)
-                    progress.update(task, advance=len(chunk))
-    except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # DNS failure, refused: nothing was received
-        host = httpx.URL(url).host
-        raise AccessError(f"cannot download {label or dest.name}: cannot reach {host} ({one_line(e, 120)}); "
-                          "check the network, then run the export again") from None
-    except httpx.TransportError as e:  # cut off mid-transfer: the staging folder is discarded
-        raise ScriptError(f"download of {label or dest.name} stopped at {size} bytes ({type(e).__name__}: "
-                          f"{one_line(e, 120)}); next: run the export again") from None
-    if total is not None and size != total:
-        raise ScriptError(f"download of {label or url} stopped at {size} of {total} bytes; next: run the export again")
-    for algo, want in digests.items():
-        if hashes[algo].hexdigest() != want:
-            raise ScriptError(f"{label or dest.name}: {algo} mismatch (got {hashes[algo].hexdigest()}, server said "
-                              f"{want}); the download is corrupt; next: run the export again")
-    return size
-
-
-def export_sampler_archive(path: str, dest: Path, out: Path, key: str) -> dict:
-    run, _, name = parse_tinker_path(path)
-    url = f"{service_url()}/api/v1/training_runs/{run}/checkpoints/{name}/archive"
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        archive = Path(tmp) / "checkpoint.tar.gz"
-        try:
-            size = download(url, archive, headers={"X-API-Key": key}, label=f"{name}.tar.gz")
-        except DownloadError as e:
-            if e.status in (401, 403):
-                raise AccessError(f"the server refused the API key for {url} ({e})") from None
-            states = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "training"]
-            hint = (f"export the run's resumable state instead: tinker_infer.py checkpoints export {states[0]} --out {out}"
-                    if states else "save_state() a weights/ checkpoint of the run and export that")
-            raise DataError(f"{path} cannot be downloaded here ({e}): SDK 0.38 has no download route for "
-                            f"sampler_weights/; {hint}") from None
-        files = safe_extract(archive, dest)
-    return {"route": "archive", "files": files, "bytes": size}
-
-
-def export_external(path: str, dest: Path) -> dict:
-    try:
-        signed = rest_client().get_external_weights_urls(path).result()
-    except Exception as e:
-        raise tinker_failure(e, f"signing the download URLs of {path}", path)
-    total, files = 0, []
-    base = dest.resolve()
-    for name, url in sorted(signed.urls.items()):
-        target = (dest / name).resolve()
-        if not target.is_relative_to(base):
-            raise UnsafeArchive(f"refusing {path}: file name {name!r} leaves the --out folder")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            total += download(url, target, label=name)
-        except DownloadError as e:
-            raise ScriptError(f"downloading {name} of {path} failed ({e}); next: run the export again") from None
-        files.append(name)
-    return {"route": "external_weights_urls", "files": files, "bytes": total}
-
-
-def export_state_with_cli(path: str, dest: Path, out: Path) -> dict:
-    """The official CLI already does this right (export -> download -> delete the copy)."""
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "tinker.cli", "-f", "json", "checkpoint", "download", path, "-o", tmp]
-        say("running: tinker -f json checkpoint download", path)
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-            run = parse_tinker_path(path)[0]
-            samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
-            hint = (f"; if this server has no external-weights export (the local backend has none), export "
-                    f"the run's sampler checkpoint: tinker_infer.py checkpoints export {samplers[0]} --out {out}"
-                    if samplers else "")
-            raise ScriptError(f"`tinker checkpoint download {path}` failed: {last}{hint}")
-        folders = [p for p in Path(tmp).iterdir() if p.is_dir()]
-        if len(folders) != 1:
-            raise ScriptError(f"`tinker checkpoint download` left {len(folders)} folders; expected one")
-        files = []
-        for f in sorted(folders[0].rglob("*")):
-            if f.is_file():
-                rel = f.relative_to(folders[0])
-                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(str(f), dest / rel)
-                files.append(str(rel))
-    return {"route": "tinker checkpoint download", "files": files,
-            "bytes": sum((dest / f).stat().st_size for f in files)}
-
-
-# ==== checkpoints: merge (optional extra: torch + peft) ====
-def adapter_target_modules(keys) -> list[str]:
-    """Module names a PEFT LoRA state dict touches, e.g. ...self_attn.q_proj.lora_A.weight -> q_proj."""
-    names = set()
-    for key in keys:
-        parts = key.split(".")
-        for i, p in enumerate(parts):
-            if p in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B") and i > 0:
-                names.add(parts[i - 1])
-    return sorted(names)
-
-
-def peft_embedding_layout(state: dict, model, torch) -> dict:
-    """Embedding LoRA saved like a linear layer (SkyRL: `embed_tokens.lora_A.weight` [vocab, r],
-    `lora_B.weight` [r, hidden]) -> PEFT's `lora_embedding_A` [r, vocab] / `lora_embedding_B`
-    [hidden, r]. Both give the same update: delta[token] = A[token] @ B * alpha / r."""
-    embeddings = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Embedding)}
-    converted = {}
-    for key, tensor in state.items():
-        head, _, tail = key.rpartition(".lora_")
-        module = head.removeprefix("base_model.model.")
-        if module in embeddings and tail in ("A.weight", "B.weight"):
-            key, tensor = f"{head}.lora_embedding_{tail[0]}", tensor.T.contiguous()
-        converted[key] = tensor
-    return converted
-
-
-def cmd_merge(args) -> dict:
-    adapter, base_dir = Path(args.adapter_dir), Path(args.base)
-    config_file = adapter / "adapter_config.json"
-    weights_file = adapter / "adapter_model.safetensors"
-    if not config_file.is_file() or not (weights_file.is_file() or (adapter / "adapter_model.bin").is_file()):
-        raise DataError(f"{adapter} is not a PEFT adapter (needs adapter_config.json and adapter_model.safetensors); "
-                        f"next: tinker_infer.py checkpoints export PATH --out {adapter}")
-    if not (base_dir / "config.json").is_file():
-        raise DataError(f"--base {base_dir} has no config.json; expected the base model's Hugging Face folder")
-    out = check_writable_dir(args.out, "--out")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise DataError(f"{out} exists and is not empty; pass --overwrite or another --out")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{config_file} is not JSON ({one_line(e, 120)}); export the adapter again") from None
-    try:
-        import torch
-        import peft
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        raise ScriptError(f"merge needs torch and peft ({e.name} is missing); next: install torch for your "
-                          "machine first (pip install torch), then pip install 'peft>=0.13' safetensors") from None
-    state = (load_file(str(weights_file)) if weights_file.is_file()
-             else torch.load(adapter / "adapter_model.bin", map_location="cpu", weights_only=True))
-    targets = adapter_target_modules(state)
-    declared = config.get("target_modules")
-    # The tensors say what was trained. SkyRL's exports (the local backend) name no
-    # target_modules, and a pattern such as "all-linear" leaves out lm_head, which Tinker
-    # trains by default: with either, PEFT would silently drop tensors.
-    if not targets:
-        raise DataError(f"{weights_file.name} holds no lora_A/lora_B tensors; expected a PEFT LoRA adapter")
-    if declared != targets:
-        say(f"target modules from the adapter's tensors: {', '.join(targets)} (adapter_config.json says {declared})")
-    dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    say(f"loading {base_dir} ({args.dtype}) ...")
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype)
-    untied = False
-    embed_names = {"embed_tokens", "wte", "word_embeddings"}
-    if getattr(model.config, "tie_word_embeddings", False) and embed_names & set(targets) and "lm_head" not in targets:
-        # Tinker-style LoRA on the input embedding does not change a tied output head, but a
-        # merge into the shared matrix would: give the head its own copy of the base matrix.
-        head = model.get_output_embeddings()
-        head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
-        model.config.tie_word_embeddings = False
-        untied = True
-    lora_config = peft.LoraConfig(
-        r=int(config.get("r", 8)), lora_alpha=float(config.get("lora_alpha", 8)), lora_dropout=0.0,
-        target_modules=targets, bias=config.get("bias", "none"),
-        use_rslora=bool(config.get("use_rslora", False)), fan_in_fan_out=bool(config.get("fan_in_fan_out", False)))
-    state = peft_embedding_layout(state, model, torch)  # before PEFT wraps the embedding
-    try:
-        peft_model = peft.get_peft_model(model, lora_config)
-    except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
-        raise ScriptError(f"the adapter's modules ({', '.join(targets)}) match no module of {base_dir} "
-                          f"({one_line(e, 150)}); is --base the model this adapter was trained on?") from None
-    state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
-    loaded = peft.set_peft_model_state_dict(peft_model, state)
-    unexpected = [k for k in getattr(loaded, "unexpected_keys", []) if "lora" in k]
-    if unexpected:
-        raise ScriptError(f"{len(unexpected)} adapter tensors match no module of {base_dir} (first: {unexpected[0]}); "
-                          "is --base the model this adapter was trained on?")
-    missing = [k for k in getattr(loaded, "missing_keys", []) if "lora_" in k]
-    if missing:
-        say(f"warning: {len(missing)} LoRA tensors absent from the adapter stay zero (first: {missing[0]})")
-    merged = peft_model.merge_and_unload()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
-    try:  # saved beside --out and renamed: an interrupted merge leaves no half-written --out
-        merged.save_pretrained(str(staging), safe_serialization=True)
-        copied = []
-        for f in sorted(base_dir.iterdir()):
-            weights = f.suffix in (".safetensors", ".bin", ".pt", ".pth") or f.name.endswith(".index.json")
-            if f.is_file() and not weights and f.name != "config.json" and not (staging / f.name).exists():
-                shutil.copy2(f, staging / f.name)
-                copied.append(f.name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    say(f"merged {adapter} into {base_dir} -> {out} (r={lora_config.r}, alpha={lora_config.lora_alpha}, "
-        f"modules: {', '.join(lora_config.target_modules)}{', untied embeddings' if untied else ''})")
-    return {"status": "ok", "out": str(out), "target_modules": sorted(lora_config.target_modules),
-            "lora_rank": lora_config.r, "lora_alpha": lora_config.lora_alpha, "untied_embeddings": untied,
-            "copied_files": copied}
-
-
-# ==== SHARED CODE (generated from common/: errors, data, flags, render, run_record, service) ====
+# ==== SHARED CODE (generated from common/: errors, data, flags, render, run_record, service, checkpoints, sampling) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
@@ -1113,6 +443,7 @@ def cmd_merge(args) -> dict:
 
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import argparse
 import json
 import os
 import signal
@@ -1138,6 +469,10 @@ class DataError(ScriptError):
 
 class RenderError(DataError):
     """The chat template cannot produce a faithful datum for this example."""
+
+
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
 
 
 class AccessError(ScriptError):
@@ -1255,6 +590,13 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     if error_json:
         emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
     return code
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage error is one line naming --help (exit 2), not the usage block."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"error: {self.prog}: {message}; see {self.prog} --help\n")
 
 
 # ---- common/data.py ----
@@ -1995,7 +1337,337 @@ def load_pricing():
         return importlib.import_module("tinker_pricing")
     except ImportError:
         return None
-# ==== END SHARED CODE (sha256 8db762e5c5b0) ====
+
+
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
+    pricing = load_pricing()
+    if pricing is None:
+        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
+        say(note)
+        return None
+    try:
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
+    except pricing.BudgetExceeded as e:
+        raise BudgetError(str(e)) from None
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {e}") from None
+        say(f"no dollar estimate: {e}")
+        return None
+
+
+def estimate_total(est):
+    """The dollar total of an estimate() result (or of a bare number) for config.json's estimate_usd; None
+    when there is no estimate (tinker_pricing.py absent, model or price unknown)."""
+    if isinstance(est, dict):
+        est = (est.get("usd") or {}).get("total")
+    return est if isinstance(est, (int, float)) and not isinstance(est, bool) else None
+
+
+# ---- common/checkpoints.py ----
+# Checkpoints by path and by run: tinker:// paths, the server's listing of one run, the run record's checkpoint
+# rows, and an SDK failure about a checkpoint as one line with the command that shows what exists.
+import os
+from pathlib import Path
+
+
+CHECKPOINT_SEGMENTS = ("weights", "sampler_weights", "external_weights")
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
+    """tinker://RUN/SEGMENT/NAME -> (run, segment, name); None if not a tinker path; DataError if malformed."""
+    if not path.startswith("tinker://"):
+        return None
+    parts = path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS or not all(parts):
+        raise DataError(f"{path} is not a checkpoint path; expected tinker://RUN_ID/sampler_weights/NAME "
+                        "(or weights/, external_weights/); next: " + script_command("tinker_checkpoints.py", "list"))
+    return parts[0], parts[1], parts[2]
+
+
+def run_checkpoints(run_id: str) -> list:
+    """The server's checkpoints of one run, newest first ([] if it cannot list them: only ever a hint)."""
+    try:
+        # Never wait long for a hint (the SDK retries a dead server for minutes).
+        require_credentials(dry_run_hint=False)
+        check_reachable()
+        listing = rest_client().list_checkpoints(run_id).result(timeout=20)
+    except Exception:
+        return []
+    return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
+
+
+def check_sampler_path(path: str) -> None:
+    """A weights/ or external_weights/ path cannot be sampled: DataError naming the path that can."""
+    run, segment, name = parse_tinker_path(path)
+    if segment == "sampler_weights":
+        return
+    samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
+    same_name = f"tinker://{run}/sampler_weights/{name}"
+    if same_name in samplers:
+        hint = f"sample the same run's sampler path: --model {same_name}"
+    elif samplers:
+        hint = f"this run's newest sampler path is {samplers[0]}; pass it as --model"
+    else:
+        hint = ("save one with training_client.save_weights_for_sampler(name) and pass its "
+                "tinker://.../sampler_weights/... path")
+    kind = "resumable training state (save_state)" if segment == "weights" else "an export for download"
+    raise DataError(f"{path} is {kind}, which cannot be sampled; sampling needs a sampler_weights/ path; {hint}")
+
+
+def tinker_failure(e: Exception, what: str, model: str | None = None) -> ScriptError:
+    """An SDK exception as a one-line error with its exit code and the next step (model: the base model or
+    tinker:// path the call was about, named in the message)."""
+    import tinker
+
+    message = one_line(e)
+    if isinstance(e, (tinker.AuthenticationError, tinker.PermissionDeniedError)):
+        return AccessError(f"{what}: Tinker rejected the API key ({message}); next: check TINKER_API_KEY")
+    if isinstance(e, tinker.APIConnectionError):
+        return AccessError(f"{what}: cannot reach {service_url()} ({message}); next: check the network or "
+                           "TINKER_BASE_URL")
+    lowered = message.lower()
+    if "not loaded" in lowered:
+        return ScriptError(f"{what}: the server no longer has the model behind {model} loaded ({message}); "
+                           f"next: sample a sampler_weights/ checkpoint of it ({script_command('tinker_checkpoints.py', 'list')}), "
+                           "or restore its last save_state path")
+    if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
+        run = parse_tinker_path(model)[0] if model and model.startswith("tinker://") else None
+        hint = script_command("tinker_checkpoints.py", "list", *(["--run", run] if run else []))
+        if os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the local backend: what keeps a checkpoint there
+            hint += (" (local backend: checkpoints stay in the store of its cache folder for "
+                     "30 days, the oldest pruned beyond 2 GB; a server started with --run-dir sees only that "
+                     "folder's; `tinker_local.py prune --all` deletes them)")
+        return DataError(f"{what}: {model or 'the checkpoint'} is unknown or expired ({message}); next: {hint}")
+    if isinstance(e, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
+        return DataError(f"{what}: the server rejected the request ({message})")
+    if isinstance(e, tinker.RequestFailedError) and str(getattr(e, "category", "")).lower().endswith("user"):
+        return DataError(f"{what}: the server rejected the request ({message})")
+    return ScriptError(f"{what} failed: {message}")
+
+
+def read_run_record(log_dir: str) -> list[dict]:
+    """The rows of LOG_DIR/checkpoints.jsonl (a torn last line from a kill is skipped, as on --resume)."""
+    rows_file = Path(log_dir) / "checkpoints.jsonl"
+    if not rows_file.is_file():
+        raise DataError(f"{rows_file} not found; expected the log folder of a tinker_sft.py/tinker_rl.py run; "
+                        f"next: ls {log_dir}")
+    rows = Run(log_dir).rows("checkpoints.jsonl")
+    if not rows:
+        raise DataError(f"{rows_file} has no checkpoint yet; let the run save one (--save-every) and retry")
+    return rows
+
+
+def latest_row(rows: list[dict], kind: str, where: str) -> dict:
+    """The newest run-record row with a path of `kind` ("sampler": sampler_path, "state": state_path)."""
+    key = "sampler_path" if kind == "sampler" else "state_path"
+    for row in reversed(rows):
+        if row.get(key):
+            return row
+    other = "state" if kind == "sampler" else "sampler"
+    raise DataError(f"{where} records no {key}; it has only {other} checkpoints; next: "
+                    + script_command("tinker_checkpoints.py", "resolve", where, "--kind", other))
+
+
+def server_message(response) -> str:
+    """The error an HTTP server put in its response body (JSON "error"/"detail", else the text), one line."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:300] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:300]
+    return str(body)[:300]
+
+
+# ---- common/sampling.py ----
+# Sampling a base model or a training run as it was trained: the run's recorded format, system prompt and greedy
+# default, the tokenizer that renders and decodes, stop tokens, the sampling client, every prompt submitted before
+# any is awaited, completions as text, the result rows (--out) and the dollar estimate of what was sampled.
+import json
+import os
+from pathlib import Path
+
+
+def run_format(log_dir: str, *, kind: str | None = None, thinking: bool = False) -> tuple[str, dict]:
+    """(the run's newest sampler path, the format it trained in) from LOG_DIR/checkpoints.jsonl. DataError when
+    the record has no format, or when `kind` (--format) or `thinking` (--thinking) contradicts it."""
+    row = latest_row(read_run_record(log_dir), "sampler", log_dir)
+    fmt = dict(row.get("format") or {})
+    if fmt.get("kind") not in ("chat", "raw"):
+        raise DataError(f"{log_dir}/checkpoints.jsonl has no \"format\" with kind chat|raw; "
+                        f"sample it with --model {row['sampler_path']} --format chat|raw")
+    if kind and kind != fmt["kind"]:
+        raise DataError(f"--format {kind} contradicts the run, which trained in {fmt['kind']} format; "
+                        "drop --format to sample as trained")
+    if thinking and fmt["kind"] == "chat" and not fmt.get("template_kwargs", {}).get("enable_thinking"):
+        raise DataError("--thinking contradicts the run, which trained with thinking off; drop --thinking to "
+                        "sample as trained")
+    if fmt["kind"] == "chat":  # records older than the shared renderer may lack these keys
+        fmt.setdefault("template_kwargs", {})
+        fmt.setdefault("template_sha256", "")
+    return row["sampler_path"], fmt
+
+
+def run_sampling(log_dir: str, temperature: float | None, system: str | None) -> tuple[float, str | None]:
+    """(temperature, system prompt) to sample a run with: the given ones, else as the run's probes sampled
+    (LOG_DIR/config.json: probe_sampling's temperature, greedy when absent) and the system prompt every training
+    example shared (none when they differ or had none). system '' means none."""
+    config = Run(log_dir).config()
+    if temperature is None:
+        temperature = (config.get("probe_sampling") or {}).get("temperature", 0.0)
+        say(f"sampling at temperature {temperature:g}, as the run's probes (--temperature changes it)")
+    if system is not None:
+        return temperature, system or None
+    kind = config.get("system_prompts")
+    if kind == "shared":
+        shown = config["system_prompt"]
+        say(f"system prompt: the one every training example of {log_dir} carried ({shown[:60]!r}"
+            f"{'...' if len(shown) > 60 else ''}); --system '' samples without it")
+        return temperature, shown
+    if kind == "differ":
+        say(f"note: the training examples of {log_dir} carry different system prompts, so none is added; pass "
+            "--system TEXT (or --messages with a system turn) to prompt as one of them did")
+    return temperature, None
+
+
+def with_system_prompt(rows: list[dict], system: str | None, kind: str) -> list[dict]:
+    """The rows as sent: in chat format, `system` first in every row that has no system turn of its own."""
+    if not system:
+        return rows
+    if kind != "chat":
+        say("note: --system applies to the chat format only; this run samples raw text, so it is not used")
+        return rows
+    out = []
+    for row in rows:
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        if messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system}, *messages]
+        out.append({"messages": messages})
+    return out
+
+
+def load_sampling_tokenizer(name_or_path: str | None):
+    """The tokenizer to render and decode with, or None when only the sampling client can name it."""
+    if name_or_path and name_or_path.startswith((".", "/", "~")) and not Path(name_or_path).expanduser().is_dir():
+        # A run recorded a folder that is not here; the base model's tokenizer is next best, and
+        # check_template() warns if its template is not the run's.
+        say(f"warning: tokenizer folder {name_or_path} not found from here; using the base model's tokenizer "
+            "(pass --tokenizer DIR to choose)")
+        return None
+    return load_tokenizer(name_or_path) if name_or_path else None
+
+
+def format_stop_ids(fmt: dict, tokenizer) -> list[int]:
+    """The format's stop token ids: as recorded, else the end-of-turn token the shared renderer trains."""
+    recorded = [int(t) for t in fmt.get("stop") or [] if isinstance(t, int) or str(t).isdigit()]
+    if recorded:
+        return sorted(set(recorded))
+    if fmt.get("kind") == "chat" and "template_kwargs" not in fmt:  # a model by name: its default chat format
+        fmt = chat_format(tokenizer, name=fmt.get("tokenizer") or "the tokenizer")
+    return stop_tokens(tokenizer, fmt)
+
+
+def check_template(fmt: dict, tokenizer) -> bool | None:
+    """Whether the tokenizer's chat template is the one the run recorded (None: nothing recorded)."""
+    recorded = fmt.get("template_sha256")
+    if not recorded or fmt["kind"] != "chat":
+        return None
+    actual = chat_format(tokenizer, name=fmt.get("tokenizer") or "?")["template_sha256"]
+    if actual != recorded:
+        say(f"warning: this tokenizer's chat template (sha256 {actual[:12]}) is not the one the run trained with "
+            f"({recorded[:12]}); pass --tokenizer with the run's tokenizer")
+    return actual == recorded
+
+
+def sampling_client(service, model: str):
+    """A SamplingClient for a base model name or a tinker://RUN/sampler_weights/NAME path."""
+    try:
+        future = (service.create_sampling_client(model_path=model) if model.startswith("tinker://")
+                  else service.create_sampling_client(base_model=model))
+        return future.result()
+    except Exception as e:
+        raise tinker_failure(e, "creating the sampling client", model)
+
+
+def sampling_stop(stop_ids: list[int], stop_strings: list[str], tokenizer) -> list:
+    """SamplingParams.stop: the format's stop token ids; with stop strings, those strings plus each stop token as
+    its text (one SamplingParams.stop holds strings or token ids, never both)."""
+    if not stop_strings:
+        return list(stop_ids)
+    return list(stop_strings) + [tokenizer.decode([t], skip_special_tokens=False) for t in stop_ids]
+
+
+def sample_prompts(client, prompts: list[list[int]], params, num_samples: int, model: str) -> list[list]:
+    """Each prompt's sampled sequences (tokens, stop_reason), in prompt order. Every prompt is submitted before
+    any is awaited, so the server batches them."""
+    import tinker
+
+    futures = [client.sample(tinker.ModelInput.from_ints(p), num_samples=num_samples, sampling_params=params)
+               for p in prompts]
+    out = []
+    for i, future in enumerate(futures):
+        try:
+            out.append(list(future.result().sequences))
+        except Exception as e:
+            raise tinker_failure(e, f"sampling prompt {i}", model)
+    return out
+
+
+def decode_completion(tokens: list[int], tokenizer, stop_ids: list[int], stop_strings: list[str]) -> str:
+    """Completion tokens -> text: drop a trailing stop token, cut at the first stop string (the OpenAI
+    convention, so the SDK route and the OpenAI-compatible endpoint give the same text)."""
+    if tokens and tokens[-1] in stop_ids:
+        tokens = tokens[:-1]
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    cuts = [text.find(s) for s in stop_strings if s and s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def sample_usd(model: str, prompt_tokens: int, completion_tokens: int) -> float | None:
+    """Dollars for one sampling of `model` (tinker_pricing.py beside the script), or None when unknown."""
+    pricing = load_pricing()
+    if pricing is None:
+        return None
+    try:
+        est = pricing.estimate_cost(model, prefill=prompt_tokens, cached_prefill=0, sample=completion_tokens)
+    except Exception:  # unknown or unpriced model: no estimate, never a failure
+        return None
+    usd = est.get("usd", est) if isinstance(est, dict) else est
+    total = usd.get("total") if isinstance(usd, dict) else usd
+    return float(total) if isinstance(total, (int, float)) else None
+
+
+def price_samples(model: str, samples: list[dict]) -> float | None:
+    """Each sample's estimate in s["usd"] (the n samples of one prompt share its prefill, charged with the first),
+    and the total."""
+    def prefill(s):
+        return (s["prompt_tokens"] or 0) if s["sample_index"] == 0 else 0
+
+    for s in samples:
+        s["usd"] = sample_usd(model, prefill(s), s["completion_tokens"] or 0)
+    return sample_usd(model, sum(prefill(s) for s in samples), sum(s["completion_tokens"] or 0 for s in samples))
+
+
+def write_results(out: str, rows: list[dict], samples: list[dict]) -> None:
+    """--out: one JSONL row per input row, in input order, {"index", "prompt"|"messages", "samples": [each
+    sample without its prompt_index]}; written beside `out` and renamed, so never half-written."""
+    by_prompt: dict[int, list] = {}
+    for s in samples:
+        by_prompt.setdefault(s["prompt_index"], []).append({k: v for k, v in s.items() if k != "prompt_index"})
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(f"{out}.partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps({"index": i, **row, "samples": by_prompt.get(i, [])}, ensure_ascii=False) + "\n")
+    os.replace(partial, out)
+# ==== END SHARED CODE (sha256 912899eddeec) ====
 
 
 if __name__ == "__main__":

@@ -127,6 +127,8 @@ CASES = [
     C("infer-messages-not-json", "infer", ["--messages", "[{"], 2, "--messages is not JSON"),
     C("infer-run-without-record", "infer", "--run empty_run --prompt hi", 2, "checkpoints.jsonl not found"),
     C("infer-run-torn-record-only", "infer", "--run torn_run --prompt hi", 2, "no checkpoint yet"),
+    C("infer-old-checkpoints-command", "infer", "checkpoints list --run r", 2,
+      "is now tinker_checkpoints.py; next: python "),
     C("pricing-sft-data-missing", "pricing", "estimate-sft --data nope.jsonl --tokenizer {tok} --json", 2,
       "nope.jsonl"),
     C("pricing-sft-data-not-utf8", "pricing", "estimate-sft --data latin1.jsonl --tokenizer {tok} --json", 2,
@@ -160,7 +162,7 @@ CASES = [
     C("infer-n-negative", "infer", "--prompt hi --n -1", 2, "--n"),
     C("infer-timeout-zero", "infer", "--http --prompt hi --timeout 0", 2, "--timeout"),
     C("infer-max-tokens-not-a-number", "infer", "--prompt hi --max-tokens abc", 2, "--max-tokens"),
-    C("infer-list-limit-negative", "infer", "checkpoints list --limit -1", 2, "--limit"),
+    C("checkpoints-list-limit-negative", "checkpoints", "list --limit -1", 2, "--limit"),
     C("pricing-rl-absurd-sizes", "pricing", "estimate-rl --iterations 10000000000 --tasks-per-iter "
       "1000000000000 --group-size 100000000000 --avg-prompt 1e300 --avg-completion 1e300 --json", 2, "overflows"),
     C("pricing-rl-huge-ints", "pricing", ["estimate-rl", "--iterations", str(10 ** 200), "--tasks-per-iter",
@@ -185,13 +187,13 @@ CASES = [
     C("rl-log-path-unwritable", "rl", RL_DRY + " --log-path /dev/null/run", 2, "/dev/null"),
     C("infer-out-is-a-folder", "infer", "--prompt hi --out adir", 2, "adir"),
     C("infer-out-unwritable", "infer", "--prompt hi --out /dev/null/x/out.jsonl", 2, "/dev/null"),
-    C("infer-export-out-is-a-file", "infer", "checkpoints export tinker://r/sampler_weights/f --out afile.txt",
+    C("checkpoints-export-out-is-a-file", "checkpoints", "export tinker://r/sampler_weights/f --out afile.txt",
       2, "afile.txt", env=WITH_KEY),
-    C("infer-export-out-not-empty", "infer", "checkpoints export tinker://r/sampler_weights/f --out full", 2,
+    C("checkpoints-export-out-not-empty", "checkpoints", "export tinker://r/sampler_weights/f --out full", 2,
       "--overwrite", env=WITH_KEY),
-    C("infer-merge-not-an-adapter", "infer", "checkpoints merge adir --base adir --out merged", 2,
+    C("checkpoints-merge-not-an-adapter", "checkpoints", "merge adir --base adir --out merged", 2,
       "not a PEFT adapter"),
-    C("infer-merge-adapter-config-not-json", "infer", "checkpoints merge notadapter --base base --out m",
+    C("checkpoints-merge-adapter-config-not-json", "checkpoints", "merge notadapter --base base --out m",
       2, "adapter_config.json is not JSON"),
     C("pricing-init-out-is-a-file", "pricing", "init --out afile.txt --json", 2, "afile.txt"),
     C("pricing-init-keeps-an-existing-file", "pricing", "init --out proj --json", 2, "--force"),
@@ -201,7 +203,7 @@ CASES = [
     C("infer-no-key", "infer", "--model tinker://r/sampler_weights/f --prompt hi", 4, "TINKER_API_KEY"),
     C("infer-key-without-tml-prefix", "infer", "--model tinker://r/sampler_weights/f --prompt hi", 4, "tml-",
       env={"TINKER_API_KEY": "sk-" + KEY[4:]}),
-    C("infer-list-no-key", "infer", "checkpoints list --json", 4, "TINKER_API_KEY"),
+    C("checkpoints-list-no-key", "checkpoints", "list --json", 4, "TINKER_API_KEY"),
     C("infer-http-no-key", "infer", "--http --prompt hi", 4, "TINKER_API_KEY"),
     # ---- endpoints: fail fast with exit 4, naming the URL ----
     C("infer-dead-base-url", "infer", "--model tinker://r/sampler_weights/f --prompt hi", 4, DEAD,
@@ -212,9 +214,9 @@ CASES = [
       env={**WITH_KEY, "TINKER_BASE_URL": "ftp://127.0.0.1:21"}, fast=True),
     C("infer-http-dead-base-url", "infer", f"--http --base-url {DEAD}/oai/api/v1 --prompt hi", 4, "--base-url",
       env=WITH_KEY, fast=True),
-    C("infer-list-dead-base-url", "infer", "checkpoints list --json", 4, DEAD,
+    C("checkpoints-list-dead-base-url", "checkpoints", "list --json", 4, DEAD,
       env={**WITH_KEY, "TINKER_BASE_URL": DEAD}, fast=True),
-    C("infer-export-dead-base-url", "infer", "checkpoints export tinker://r/sampler_weights/f --out o", 4, DEAD,
+    C("checkpoints-export-dead-base-url", "checkpoints", "export tinker://r/sampler_weights/f --out o", 4, DEAD,
       env={**WITH_KEY, "TINKER_BASE_URL": DEAD}, fast=True),
     C("sft-dead-base-url", "sft", "--data good.jsonl --tokenizer {tok} --log-path r", 4, DEAD,
       env={**WITH_KEY, "TINKER_BASE_URL": DEAD}, fast=True),
@@ -223,12 +225,12 @@ CASES = [
     C("pricing-refresh-dead-url", "pricing", f"refresh --url {DEAD}/models.json --timeout 2 --json", 4,
       "kept the current prices", fast=True),
     # ---- archives and downloads from a server that misbehaves (the fake REST server below) ----
-    C("infer-export-unsafe-archive", "infer", "checkpoints export tinker://run-x/sampler_weights/evil --out o",
+    C("checkpoints-export-unsafe-archive", "checkpoints", "export tinker://run-x/sampler_weights/evil --out o",
       1, "leaves the target folder", env={**WITH_KEY, "TINKER_BASE_URL": "{fake}"}),
-    C("infer-export-download-host-unresolvable", "infer",
-      "checkpoints export tinker://run-x/external_weights/final --out o", 4, "no-such-host.invalid",
+    C("checkpoints-export-download-host-unresolvable", "checkpoints",
+      "export tinker://run-x/external_weights/final --out o", 4, "no-such-host.invalid",
       env={**WITH_KEY, "TINKER_BASE_URL": "{fake}"}),
-    C("infer-export-truncated-download", "infer", "checkpoints export tinker://run-x/sampler_weights/short --out o",
+    C("checkpoints-export-truncated-download", "checkpoints", "export tinker://run-x/sampler_weights/short --out o",
       1, "stopped at", env={**WITH_KEY, "TINKER_BASE_URL": "{fake}"}),
 ]
 # Scripts that exist only on some branches get cases only when present.
@@ -402,7 +404,7 @@ def test_bad_input_or_fault_ends_cleanly(case, results):
 
 def test_the_table_covers_every_script_and_fault_kind():
     scripts = {c.script for c in CASES}
-    assert {"sft", "rl", "infer", "pricing", "local"} <= scripts
+    assert {"sft", "rl", "infer", "checkpoints", "pricing", "local"} <= scripts
     assert len(CASES) >= 60
     assert {c.code for c in CASES} >= {1, 2, 4}
 

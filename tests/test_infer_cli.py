@@ -1,10 +1,12 @@
-"""tinker_infer.py offline: argument validation, checkpoint-kind errors, run records, template kwargs."""
+"""tinker_infer.py and tinker_checkpoints.py offline: argument validation, checkpoint-kind errors, run records,
+template kwargs, the dry run, and the old `tinker_infer.py checkpoints` spelling."""
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import tinker_checkpoints
 import tinker_infer
 
 RUN = "run-1"
@@ -12,10 +14,14 @@ SAMPLER = f"tinker://{RUN}/sampler_weights/final"
 STATE = f"tinker://{RUN}/weights/final"
 
 
-def run(capsys, *argv):
-    code = tinker_infer.main(list(argv))
+def run(capsys, *argv, script=tinker_infer):
+    code = script.main(list(argv))
     out = capsys.readouterr().out.strip().splitlines()
     return code, json.loads(out[-1])
+
+
+def checkpoints(capsys, *argv):
+    return run(capsys, *argv, script=tinker_checkpoints)
 
 
 @pytest.fixture
@@ -129,12 +135,12 @@ def test_external_weights_path_cannot_be_sampled(rest_server, capsys):
 
 
 def test_resolve_from_the_server_picks_the_newest_of_each_kind(rest_server, capsys):
-    assert run(capsys, "checkpoints", "resolve", RUN)[1]["path"] == SAMPLER
-    assert run(capsys, "checkpoints", "resolve", RUN, "--kind", "state")[1]["path"] == STATE
+    assert checkpoints(capsys, "resolve", RUN)[1]["path"] == SAMPLER
+    assert checkpoints(capsys, "resolve", RUN, "--kind", "state")[1]["path"] == STATE
 
 
 def test_checkpoint_list_of_a_run_is_newest_first(rest_server, capsys):
-    code, result = run(capsys, "checkpoints", "list", "--run", RUN, "--json")
+    code, result = checkpoints(capsys, "list", "--run", RUN, "--json")
     assert code == 0
     assert [(c["path"], c["type"], c["size_bytes"]) for c in result["checkpoints"]] == [
         (SAMPLER, "sampler", 500), (STATE, "training", 1000),
@@ -142,9 +148,9 @@ def test_checkpoint_list_of_a_run_is_newest_first(rest_server, capsys):
 
 
 def test_resolve_from_a_path_gives_the_same_save_of_the_other_kind(rest_server, capsys):
-    code, result = run(capsys, "checkpoints", "resolve", f"tinker://{RUN}/weights/000005")
+    code, result = checkpoints(capsys, "resolve", f"tinker://{RUN}/weights/000005")
     assert (code, result["path"]) == (0, f"tinker://{RUN}/sampler_weights/000005")
-    code, result = run(capsys, "checkpoints", "resolve", f"tinker://{RUN}/sampler_weights/000005", "--kind", "state")
+    code, result = checkpoints(capsys, "resolve", f"tinker://{RUN}/sampler_weights/000005", "--kind", "state")
     assert (code, result["path"]) == (0, f"tinker://{RUN}/weights/000005")
 
 
@@ -169,15 +175,15 @@ def test_resolve_reads_the_latest_path_of_each_kind_from_the_run_record(tmp_path
         row("final", 20, "tinker://r/weights/final", "tinker://r/sampler_weights/final"),
         row("000030", 30, "tinker://r/weights/000030", None),
     ])
-    code, result = run(capsys, "checkpoints", "resolve", str(log_dir), "--kind", "state")
+    code, result = checkpoints(capsys, "resolve", str(log_dir), "--kind", "state")
     assert (code, result["path"], result["step"]) == (0, "tinker://r/weights/000030", 30)
-    code, result = run(capsys, "checkpoints", "resolve", str(log_dir))
+    code, result = checkpoints(capsys, "resolve", str(log_dir))
     assert (code, result["path"], result["format"]["kind"]) == (0, "tinker://r/sampler_weights/final", "chat")
 
 
 def test_resolve_sampler_of_a_run_without_one_names_the_other_kind(tmp_path, capsys):
     log_dir = write_run(tmp_path / "log", [row("000010", 10, "tinker://r/weights/000010", None)])
-    code, result = run(capsys, "checkpoints", "resolve", str(log_dir))
+    code, result = checkpoints(capsys, "resolve", str(log_dir))
     assert code == 2 and "--kind state" in result["error"]
 
 
@@ -211,22 +217,22 @@ def test_a_recorded_date_renders_exactly_and_only_for_that_render(chat_family):
 def test_export_refuses_a_non_empty_out_folder(tmp_path, capsys, api_key):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    code, result = run(capsys, "checkpoints", "export", SAMPLER, "--out", str(tmp_path / "out"))
+    code, result = checkpoints(capsys, "export", SAMPLER, "--out", str(tmp_path / "out"))
     assert code == 2 and "--overwrite" in result["error"]
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
 def test_merge_of_a_folder_that_is_not_an_adapter_says_how_to_get_one(tmp_path, capsys):
-    code, result = run(capsys, "checkpoints", "merge", str(tmp_path), "--base", str(tmp_path), "--out",
+    code, result = checkpoints(capsys, "merge", str(tmp_path), "--base", str(tmp_path), "--out",
                        str(tmp_path / "m"))
-    assert code == 2 and "checkpoints export" in result["error"]
+    assert code == 2 and "tinker_checkpoints.py export tinker://" in result["error"]
 
 
 def test_adapter_target_modules_are_read_from_the_weight_names():
     keys = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
             "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight",
             "base_model.model.model.embed_tokens.lora_embedding_A"]
-    assert tinker_infer.adapter_target_modules(keys) == ["down_proj", "embed_tokens", "q_proj"]
+    assert tinker_checkpoints.adapter_target_modules(keys) == ["down_proj", "embed_tokens", "q_proj"]
 
 
 def test_raw_format_renders_messages_as_role_colon_text_after_bos():
@@ -308,10 +314,6 @@ def test_an_unreachable_hub_fails_in_seconds_naming_both_ways_to_run_offline(tmp
 # ---- --run prompts as training did (issue 27)
 
 
-def run_args(*argv):
-    return tinker_infer.sample_parser().parse_args(list(argv))
-
-
 @pytest.mark.parametrize("kind, system, said", [
     ("shared", "You are the help desk.", "system prompt: the one every training example of"),
     ("differ", None, "carry different system prompts, so none is added; pass --system TEXT"),
@@ -320,9 +322,7 @@ def run_args(*argv):
 def test_run_uses_the_shared_system_prompt_and_samples_greedily_by_default(tmp_path, capsys, kind, system, said):
     (tmp_path / "config.json").write_text(json.dumps({
         "system_prompt": system, "system_prompts": kind, "probe_sampling": {"temperature": 0.0, "max_tokens": 16}}))
-    args = run_args("--run", str(tmp_path), "--prompt", "Where is my invoice?")
-    assert tinker_infer.run_sampling_defaults(args, {"kind": "chat"}) == system
-    assert args.temperature == 0.0
+    assert tinker_infer.run_sampling(str(tmp_path), None, None) == (0.0, system)
     err = capsys.readouterr().err
     assert "sampling at temperature 0, as the run's probes" in err and said in err
     rows = tinker_infer.with_system_prompt([{"prompt": "Where is my invoice?"}], system, "chat")
@@ -333,13 +333,77 @@ def test_run_uses_the_shared_system_prompt_and_samples_greedily_by_default(tmp_p
         assert rows == [{"prompt": "Where is my invoice?"}]
 
 
-def test_system_and_temperature_flags_win_and_a_conversation_keeps_its_own_system(tmp_path, capsys):
+def test_system_and_temperature_flags_win_and_a_conversation_keeps_its_own_system(tmp_path, capsys,
+                                                                                   offline_tokenizer):
     (tmp_path / "config.json").write_text(json.dumps({"system_prompt": "Trained.", "system_prompts": "shared"}))
-    args = run_args("--run", str(tmp_path), "--prompt", "hi", "--system", "", "--temperature", "0.7")
-    assert tinker_infer.run_sampling_defaults(args, {"kind": "chat"}) is None and args.temperature == 0.7
-    args = run_args("--prompt", "hi")  # no --run: Tinker's default temperature, no system prompt
-    assert tinker_infer.run_sampling_defaults(args, None) is None and args.temperature == tinker_infer.DEFAULT_TEMPERATURE
+    assert tinker_infer.run_sampling(str(tmp_path), 0.7, "") == (0.7, None)  # --system '' --temperature 0.7
+    # no --run: Tinker's default temperature, no system prompt (through the whole command, as a dry run)
+    code, result = run(capsys, "--prompt", "hi", "--dry-run", "--tokenizer", offline_tokenizer("Qwen3-8B"))
+    assert code == 0, result
+    assert (result["sampling"]["temperature"], result["sampling"]["system"]) == (tinker_infer.DEFAULT_TEMPERATURE, None)
     own = [{"messages": [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]}]
     assert tinker_infer.with_system_prompt(own, "Trained.", "chat") == own
     assert tinker_infer.with_system_prompt([{"prompt": "hi"}], "Trained.", "raw") == [{"prompt": "hi"}]
     assert "applies to the chat format only" in capsys.readouterr().err
+
+
+# ---- the dry run: everything before the first request, offline (no key, no server)
+
+
+@pytest.fixture
+def no_key(monkeypatch, tmp_path):
+    for name in ("TINKER_API_KEY", "TINKER_CREDENTIAL_CMD", "TINKER_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+def test_a_dry_run_of_a_run_renders_the_prompt_as_trained_without_a_key(tmp_path, capsys, no_key, offline_tokenizer):
+    tok = offline_tokenizer("Qwen3-8B")
+    tokenizer = tinker_infer.load_tokenizer(tok)
+    fmt = json.loads(json.dumps(tinker_infer.chat_format(tokenizer, name=tok)))
+    log_dir = write_run(tmp_path / "log", [row("final", 4, STATE, SAMPLER, fmt)])
+    (log_dir / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B", "system_prompts": "shared",
+                                                     "system_prompt": "Be terse."}))
+    code, result = run(capsys, "--run", str(log_dir), "--prompt", "2+2?", "--dry-run")
+    assert code == 0, result
+    assert (result["status"], result["route"], result["model"]) == ("dry_run", "sdk", SAMPLER)
+    expected = tinker_infer.generation_prompt([{"role": "system", "content": "Be terse."},
+                                               {"role": "user", "content": "2+2?"}], tokenizer, fmt)
+    [prompt] = result["prompts"]
+    assert prompt["prompt_tokens"] == len(expected)
+    assert prompt["text"] == tokenizer.decode(expected, skip_special_tokens=False)
+    assert prompt["text"].startswith("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n2+2?")
+    assert result["format"]["stop"] == fmt["stop"] and result["template_matches_run"] is True
+    assert (result["sampling"]["temperature"], result["sampling"]["system"]) == (0.0, "Be terse.")
+
+
+def test_a_dry_run_over_http_shows_the_request_bodies(capsys, no_key):
+    code, result = run(capsys, "--http", "--base-url", "http://127.0.0.1:9/oai/api/v1", "--model", SAMPLER,
+                       "--prompt", "hi", "--n", "2", "--seed", "3", "--dry-run")
+    assert code == 0, result
+    assert result["endpoint"] == "http://127.0.0.1:9/oai/api/v1/chat/completions"
+    assert result["bodies"] == [{"model": SAMPLER, "max_tokens": tinker_infer.DEFAULT_MAX_TOKENS,
+                                 "temperature": tinker_infer.DEFAULT_TEMPERATURE, "top_p": 1.0, "n": 2,
+                                 "messages": [{"role": "user", "content": "hi"}], "seed": 3}]
+
+
+def test_a_dry_run_of_a_bare_checkpoint_path_asks_for_its_tokenizer(capsys, no_key):
+    code, result = run(capsys, "--model", SAMPLER, "--prompt", "hi", "--dry-run")
+    assert code == 2 and "--tokenizer" in result["error"]
+
+
+# ---- the old spelling `tinker_infer.py checkpoints ...` (before tinker_checkpoints.py)
+
+
+@pytest.mark.parametrize("argv, replacement", [
+    (["checkpoints", "list", "--run", RUN], f"tinker_checkpoints.py list --run {RUN}"),
+    (["checkpoints", "resolve", "logs/my sft", "--kind", "state"], "tinker_checkpoints.py resolve 'logs/my sft' --kind state"),
+    (["checkpoints"], "tinker_checkpoints.py --help"),
+])
+def test_the_old_checkpoints_command_exits_2_naming_the_command_that_replaced_it(capsys, monkeypatch, argv,
+                                                                                  replacement):
+    monkeypatch.delenv("TINKER_LOCAL_LAUNCHER", raising=False)
+    code, result = run(capsys, *argv)
+    assert (code, result["status"], result["exit_code"]) == (2, "error", 2)
+    assert result["error"].startswith("`tinker_infer.py checkpoints` is now tinker_checkpoints.py; next: python ")
+    assert result["error"].endswith(replacement)

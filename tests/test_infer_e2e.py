@@ -1,4 +1,4 @@
-"""tinker_infer.py end to end on the local backend (real SDK, real server, tiny Qwen3).
+"""tinker_infer.py and tinker_checkpoints.py end to end on the local backend (real SDK, real server, tiny Qwen3).
 
 Everything that talks to the server runs in a subprocess: the SDK keeps one client per
 process, and other test modules point it at other servers.
@@ -14,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tinker_infer.py"
+CHECKPOINTS = SCRIPT.with_name("tinker_checkpoints.py")
 TRAIN_TEXT = "The quick brown fox jumps over the lazy dog. " * 4
 
 TRAIN = r"""
@@ -49,12 +50,16 @@ def python(local_tinker, code, *args, timeout=600):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def infer(local_tinker, *args, timeout=600):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], env={**os.environ, **local_tinker.env},
+def infer(local_tinker, *args, timeout=600, script=SCRIPT):
+    proc = subprocess.run([sys.executable, str(script), *args], env={**os.environ, **local_tinker.env},
                           capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     assert lines, f"no JSON on stdout; stderr: {proc.stderr[-3000:]}"
     return proc.returncode, json.loads(lines[-1])
+
+
+def checkpoints(local_tinker, *args, timeout=600):
+    return infer(local_tinker, *args, timeout=timeout, script=CHECKPOINTS)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +137,9 @@ def test_run_folder_samples_its_checkpoint_in_its_recorded_format(local_tinker, 
     assert chat["model"] == trained["sampler_path"]
     assert chat["format"]["kind"] == "chat" and chat["template_matches_run"] is True
     assert chat["samples"][0]["prompt_tokens"] == len(tokenizer.encode(expected, add_special_tokens=False))
+    code, dry = infer(local_tinker, "--run", str(chat_run), "--messages", json.dumps(messages), "--dry-run", "--json")
+    assert code == 0, dry  # the dry run shows exactly the prompt that was sent
+    assert [(p["prompt_tokens"], p["text"]) for p in dry["prompts"]] == [(chat["samples"][0]["prompt_tokens"], expected)]
 
     code, raw = infer(local_tinker, "--run", str(raw_run), "--prompt", "What is 2+2?", "--max-tokens", "4",
                       "--seed", "1", "--json")
@@ -169,7 +177,7 @@ def test_unknown_checkpoint_is_reported_with_the_list_command(local_tinker, trai
     missing = trained["sampler_path"].rsplit("/", 1)[0] + "/no-such-checkpoint"
     code, result = infer(local_tinker, "--model", missing, "--prompt", "hi", "--max-tokens", "2")
     assert code == 2, result
-    assert "checkpoints list" in result["error"]
+    assert f"tinker_checkpoints.py list --run {run_id(trained)}" in result["error"]
 
 
 def test_unserved_model_lists_close_names(local_tinker):
@@ -179,21 +187,21 @@ def test_unserved_model_lists_close_names(local_tinker):
 
 
 def test_checkpoints_list_and_resolve_on_the_server(local_tinker, trained):
-    code, listing = infer(local_tinker, "checkpoints", "list", "--run", run_id(trained), "--json")
+    code, listing = checkpoints(local_tinker, "list", "--run", run_id(trained), "--json")
     assert code == 0, listing
     assert {(c["path"], c["type"]) for c in listing["checkpoints"]} >= {
         (trained["state_path"], "training"), (trained["sampler_path"], "sampler")}
-    code, everything = infer(local_tinker, "checkpoints", "list", "--json")  # no account-wide listing here
+    code, everything = checkpoints(local_tinker, "list", "--json")  # no account-wide listing here
     assert code == 0 and trained["sampler_path"] in [c["path"] for c in everything["checkpoints"]]
-    assert infer(local_tinker, "checkpoints", "resolve", run_id(trained))[1]["path"] == trained["sampler_path"]
-    assert infer(local_tinker, "checkpoints", "resolve", run_id(trained), "--kind", "state")[1]["path"] == \
+    assert checkpoints(local_tinker, "resolve", run_id(trained))[1]["path"] == trained["sampler_path"]
+    assert checkpoints(local_tinker, "resolve", run_id(trained), "--kind", "state")[1]["path"] == \
         trained["state_path"]
 
 
 @pytest.fixture(scope="module")
 def exported(local_tinker, trained, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "adapter"
-    code, result = infer(local_tinker, "checkpoints", "export", trained["sampler_path"], "--out", str(out))
+    code, result = checkpoints(local_tinker, "export", trained["sampler_path"], "--out", str(out))
     assert code == 0, result
     return out, result
 
@@ -210,7 +218,7 @@ def test_merged_model_matches_the_servers_logprobs(local_tinker, trained, export
     from transformers import AutoModelForCausalLM
 
     merged_dir = tmp_path / "merged"
-    code, result = infer(local_tinker, "checkpoints", "merge", str(exported[0]), "--base",
+    code, result = checkpoints(local_tinker, "merge", str(exported[0]), "--base",
                          str(local_tinker.tokenizer_dir), "--out", str(merged_dir), "--dtype", "float32")
     assert code == 0, result
     ids = tokenizer.encode("The quick brown fox jumps over the lazy cat, and then it sleeps.")

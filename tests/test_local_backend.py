@@ -1019,7 +1019,7 @@ def parity_rows(local_tinker, tokenizer) -> list[tuple[str, str]]:
           lambda: rest.set_checkpoint_ttl_from_tinker_path(state, 3600).result())
     probe("ServiceClient.copy_weights", lambda: service.copy_weights(state).result(timeout=120))
     archive = f"{local_tinker.base_url}/api/v1/training_runs/{run_id}/checkpoints/parity/archive"
-    probe("GET training_runs/{run}/checkpoints/{ckpt}/archive (tinker_infer.py checkpoints export)",
+    probe("GET training_runs/{run}/checkpoints/{ckpt}/archive (tinker_checkpoints.py export)",
           lambda: httpx.get(archive, headers={"X-API-Key": "tml-local"}, timeout=120,
                             follow_redirects=True).raise_for_status())
     probe("RestClient.delete_checkpoint_from_tinker_path", lambda: rest.delete_checkpoint_from_tinker_path(state).result())

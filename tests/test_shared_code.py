@@ -27,7 +27,8 @@ def test_every_script_region_is_exactly_what_common_generates():
 
 
 def test_the_copy_and_edit_scripts_carry_a_shared_region():
-    assert {"tinker_sft.py", "tinker_rl.py", "tinker_dpo.py", "tinker_distill.py", "tinker_infer.py"} <= set(SPLICED)
+    assert {"tinker_sft.py", "tinker_rl.py", "tinker_dpo.py", "tinker_distill.py", "tinker_infer.py",
+            "tinker_checkpoints.py"} <= set(SPLICED)
 
 
 def test_a_hand_edit_inside_a_region_is_detected():
@@ -290,8 +291,9 @@ def dry_runs(tok):
         "tinker_dpo.py": ("--dpo-beta", ["--dry-run", "--data", "pairs.jsonl", "--tokenizer", tok], "dry_run"),
         "tinker_distill.py": ("--teacher", ["--dry-run", "--tokenizer", tok, "--teacher", "Qwen/Qwen3-8B",
                                             "--teacher-tokenizer", tok], "dry_run"),
+        "tinker_infer.py": ("--dry-run", ["--dry-run", "--prompt", "hi", "--tokenizer", tok], "dry_run"),
         # no dry run: resolving a run record's checkpoint reads the record offline, no Tinker call
-        "tinker_infer.py": ("checkpoints", ["checkpoints", "resolve", "runs/sft", "--kind", "sampler"], None),
+        "tinker_checkpoints.py": ("merge", ["resolve", "runs/sft", "--kind", "sampler"], None),
     }
 
 
@@ -329,7 +331,7 @@ def test_a_script_copied_into_an_empty_folder_runs_help_and_its_dry_run(script, 
     out = run(*argv)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    if status is None:  # tinker_infer.py checkpoints resolve: the run's final sampler path
+    if status is None:  # tinker_checkpoints.py resolve: the run's final sampler path
         assert "tinker://r/sampler_weights/final" in out.stdout
         return
     assert result["status"] == status

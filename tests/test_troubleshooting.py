@@ -287,7 +287,7 @@ def test_sampling_a_checkpoint_the_server_does_not_have_names_the_listing_comman
     assert out.returncode == 2, out.stderr[-2000:]
     error = json.loads(out.stdout)["error"]
     check(error, "is unknown or expired")
-    assert "tinker_infer.py checkpoints list --run model_0badc0de" in error and "store" in error
+    assert "tinker_checkpoints.py list --run model_0badc0de" in error and "store" in error
 
 
 @pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""checkpoints export against a 127.0.0.1 server speaking SDK 0.38's REST routes: external-weights
+"""tinker_checkpoints.py export against a 127.0.0.1 server speaking SDK 0.38's REST routes: external-weights
 signed URLs with checksums, the sampler archive route, and the refusals."""
 import base64
 import hashlib
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import tinker_infer
+import tinker_checkpoints
 
 RUN = "run-7"
 FILES = {"adapter_config.json": b'{"r": 8, "lora_alpha": 32}', "adapter_model.safetensors": b"\x00" * 4096}
@@ -93,12 +93,12 @@ def server(monkeypatch):
 
 
 def run(capsys, *argv):
-    code = tinker_infer.main(list(argv))
+    code = tinker_checkpoints.main(list(argv))
     return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def test_external_weights_are_downloaded_file_by_file_with_checksums(server, tmp_path, capsys):
-    code, result = run(capsys, "checkpoints", "export", f"tinker://{RUN}/external_weights/final",
+    code, result = run(capsys, "export", f"tinker://{RUN}/external_weights/final",
                        "--out", str(tmp_path / "out"))
     assert code == 0, result
     assert result["route"] == "external_weights_urls"
@@ -109,7 +109,7 @@ def test_external_weights_are_downloaded_file_by_file_with_checksums(server, tmp
 
 def test_a_checksum_mismatch_fails_the_export(server, tmp_path, capsys):
     server.bad_md5.add("adapter_model.safetensors")
-    code, result = run(capsys, "checkpoints", "export", f"tinker://{RUN}/external_weights/final",
+    code, result = run(capsys, "export", f"tinker://{RUN}/external_weights/final",
                        "--out", str(tmp_path / "out"))
     assert code == 1
     assert "md5 mismatch" in result["error"] and "adapter_model.safetensors" in result["error"]
@@ -117,7 +117,7 @@ def test_a_checksum_mismatch_fails_the_export(server, tmp_path, capsys):
 
 def test_a_signed_file_name_leaving_the_folder_is_refused(server, tmp_path, capsys):
     server.urls = {"../escaped.txt": b"x"}
-    code, result = run(capsys, "checkpoints", "export", f"tinker://{RUN}/external_weights/final",
+    code, result = run(capsys, "export", f"tinker://{RUN}/external_weights/final",
                        "--out", str(tmp_path / "out"))
     assert code == 1 and "leaves" in result["error"]
     assert not (tmp_path / "escaped.txt").exists()
@@ -125,7 +125,7 @@ def test_a_signed_file_name_leaving_the_folder_is_refused(server, tmp_path, caps
 
 
 def test_sampler_checkpoint_comes_from_the_archive_route(server, tmp_path, capsys):
-    code, result = run(capsys, "checkpoints", "export", f"tinker://{RUN}/sampler_weights/final",
+    code, result = run(capsys, "export", f"tinker://{RUN}/sampler_weights/final",
                        "--out", str(tmp_path / "out"))
     assert code == 0, result
     assert result["route"] == "archive" and result["files"] == sorted(FILES)
@@ -134,7 +134,7 @@ def test_sampler_checkpoint_comes_from_the_archive_route(server, tmp_path, capsy
 
 def test_an_unsafe_archive_from_the_server_writes_nothing(server, tmp_path, capsys):
     server.archive = tar_bytes([("adapter_config.json", b"{}"), ("../../escaped.txt", b"x")])
-    code, result = run(capsys, "checkpoints", "export", f"tinker://{RUN}/sampler_weights/final",
+    code, result = run(capsys, "export", f"tinker://{RUN}/sampler_weights/final",
                        "--out", str(tmp_path / "out"))
     assert code == 1 and "leaves the target folder" in result["error"]
     assert not (tmp_path / "out").exists()
@@ -143,7 +143,7 @@ def test_an_unsafe_archive_from_the_server_writes_nothing(server, tmp_path, caps
 
 def test_without_an_archive_route_the_error_names_the_runs_weights_path(server, tmp_path, capsys):
     server.archive = None
-    code, result = run(capsys, "checkpoints", "export", f"tinker://{RUN}/sampler_weights/final",
+    code, result = run(capsys, "export", f"tinker://{RUN}/sampler_weights/final",
                        "--out", str(tmp_path / "out"))
     assert code == 2
-    assert f"checkpoints export tinker://{RUN}/weights/final" in result["error"]
+    assert f"tinker_checkpoints.py export tinker://{RUN}/weights/final --out " in result["error"]

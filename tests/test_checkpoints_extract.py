@@ -4,7 +4,7 @@ import tarfile
 
 import pytest
 
-import tinker_infer
+import tinker_checkpoints
 
 
 def make_archive(path, entries):
@@ -38,7 +38,7 @@ GOOD = ("adapter_config.json", "file", '{"r": 8}')
 
 
 @pytest.mark.parametrize("bad_entry, reason", [
-    (("/tmp/evil_abs_tinker_infer.txt", "file", "x"), "absolute path"),
+    (("/tmp/evil_abs_tinker_checkpoints.txt", "file", "x"), "absolute path"),
     (("../outside/evil.txt", "file", "x"), "leaves the target"),
     (("sub/../../outside/evil.txt", "file", "x"), "leaves the target"),
     (("link", "symlink", "../outside"), "points outside"),
@@ -50,8 +50,8 @@ def test_unsafe_archive_is_refused_and_nothing_is_written(sandbox, bad_entry, re
     # The safe entry comes first: a refusal must still write nothing at all.
     archive = make_archive(sandbox / "ckpt.tar.gz", [GOOD, bad_entry, ("after.txt", "file", "y")])
     target = sandbox / "target"
-    with pytest.raises(tinker_infer.UnsafeArchive, match=reason) as info:
-        tinker_infer.safe_extract(archive, target)
+    with pytest.raises(tinker_checkpoints.UnsafeArchive, match=reason) as info:
+        tinker_checkpoints.safe_extract(archive, target)
     assert info.value.exit_code == 1
     assert not target.exists()
     assert every_file(sandbox / "outside") == []
@@ -61,8 +61,8 @@ def test_unsafe_archive_is_refused_and_nothing_is_written(sandbox, bad_entry, re
 def test_symlink_followed_by_write_through_it_is_refused(sandbox):
     archive = make_archive(sandbox / "ckpt.tar.gz", [("d", "symlink", str(sandbox / "outside")),
                                                      ("d/evil.txt", "file", "x")])
-    with pytest.raises(tinker_infer.UnsafeArchive):
-        tinker_infer.safe_extract(archive, sandbox / "target")
+    with pytest.raises(tinker_checkpoints.UnsafeArchive):
+        tinker_checkpoints.safe_extract(archive, sandbox / "target")
     assert every_file(sandbox / "outside") == []
 
 
@@ -70,7 +70,7 @@ def test_safe_archive_extracts_with_inward_links(sandbox):
     archive = make_archive(sandbox / "ckpt.tar.gz", [
         GOOD, ("weights/adapter_model.safetensors", "file", "W"), ("latest", "symlink", "weights")])
     target = sandbox / "target"
-    files = tinker_infer.safe_extract(archive, target)
+    files = tinker_checkpoints.safe_extract(archive, target)
     assert files == ["adapter_config.json", "weights/adapter_model.safetensors"]
     assert (target / "adapter_config.json").read_text() == '{"r": 8}'
     assert (target / "latest" / "adapter_model.safetensors").read_text() == "W"
