@@ -6,6 +6,7 @@ changes until every check that can refuse the run (flags, data, budget) has pass
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from datetime import datetime, timezone
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from errors import DataError, say  # splice: drop
 from render import tokenizer_record  # splice: drop
+from run_files import FolderBusy, acquire_lock, holder_alive, jsonl_lines, release_lock  # splice: drop
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
 
@@ -50,6 +52,43 @@ class Run:
     def __init__(self, path, extra_files=()):
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
+        self._lock_fd, self._made_folder = None, False
+
+    def lock(self) -> Run:
+        """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
+        the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
+        or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        self._made_folder = not self.path.exists()
+        try:
+            self._lock_fd, previous = acquire_lock(self.path)
+        except FolderBusy as busy:
+            alive = holder_alive(busy.holder)
+            elsewhere = " (that pid is not running here: the lock is held from another machine or container)"
+            how = f"wait for it to end (or stop it: kill {busy.holder['pid']})" if alive else "wait for it to end"
+            raise DataError(f"{self.path} is being written by {busy}{elsewhere if alive is False else ''}; one run "
+                            f"folder takes one writer at a time: {how}, then run this command again, or pass "
+                            "another --log-path") from None
+        if previous.get("pid"):
+            say(f"note: {self.path / '.lock'} was left by {previous.get('script') or 'a script'} (pid "
+                f"{previous['pid']} on host {previous.get('host')}, since {previous.get('started')}), which ended "
+                "without releasing it (killed?); this run takes the folder over")
+        return self
+
+    def unlock(self) -> None:
+        """Release LOG/.lock; a folder this run created and left empty is removed (a refused run leaves nothing)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        release_lock(fd, self.path)
+        if self._made_folder:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only when empty
+
+    def __enter__(self) -> Run:
+        return self if self._lock_fd is not None else self.lock()
+
+    def __exit__(self, *exc) -> None:
+        self.unlock()
 
     def file(self, name) -> Path:
         return self.path / name
@@ -60,7 +99,7 @@ class Run:
         if not path.exists():
             return []
         rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for _, line in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:

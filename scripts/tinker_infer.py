@@ -1051,7 +1051,7 @@ def cmd_merge(args) -> dict:
             "copied_files": copied}
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, data, render, run_record, service) ====
+# ==== SHARED CODE (generated from common/: errors, flags, run_files, data, render, run_record, service) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source.
 
@@ -1199,6 +1199,161 @@ def check_writable_dir(path, what: str) -> Path:
     return p
 
 
+# ---- common/run_files.py ----
+# A run folder's files at the lowest level, carried by every script that reads or writes one (the report
+# tool too): JSONL lines as editors save them, and the one-writer lock.
+#
+# The lock: an exclusive advisory POSIX record lock (lockf) on LOG/.lock, held for the writer's whole life.
+# The kernel drops it when its process ends, however it ends (SIGKILL too), and forked workers (the render
+# pool) do not inherit it. The file says who holds it (pid, host, script, start time) for the error a second
+# writer prints and for readers (tinker_report.py), which never take the lock: they test it for an instant.
+# A record left by a process that died holding the lock is taken over by the next writer, which says so.
+# Within one process a POSIX lock never conflicts with itself and closing any descriptor of the file drops
+# it: only the lock's own code opens LOG/.lock.
+import errno
+import json
+import os
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the scripts run, unguarded
+    fcntl = None
+
+LOCK_FILE = ".lock"
+# A reader tests the lock for microseconds and a writer records itself right after taking it: a refused
+# writer that finds no live holder named in the file tries again for this long before giving up.
+SETTLE_S = 2.0
+
+
+def jsonl_lines(text: str):
+    """(line number, line) of each non-blank line of JSONL text: a UTF-8 byte-order mark (Windows editors,
+    also where files were concatenated) and CRLF endings are accepted, as pandas and datasets accept them;
+    only a newline ends a line (U+2028 and other characters str.splitlines() splits on are valid inside a
+    JSON string)."""
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.strip().lstrip("\ufeff")
+        if line:
+            yield n, line
+
+
+class FolderBusy(Exception):
+    """A live process holds the folder's lock; `holder` is its record ({} when unreadable)."""
+
+    def __init__(self, holder: dict):
+        super().__init__(describe_holder(holder))
+        self.holder = holder
+
+
+def describe_holder(holder: dict) -> str:
+    if not holder.get("pid"):
+        return "another process (it has not recorded itself yet)"
+    return (f"{holder.get('script') or 'a script'} (pid {holder['pid']} on host {holder.get('host')}, "
+            f"since {holder.get('started')})")
+
+
+def read_holder(fd) -> dict:
+    try:
+        data = os.pread(fd, 65536, 0)
+        record = json.loads(data.decode("utf-8")) if data.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def holder_alive(holder: dict) -> bool | None:
+    """Whether the recorded process still runs: True/False on this host, None for another host."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _same_file(fd, path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def acquire_lock(folder) -> tuple[int | None, dict]:
+    """(descriptor holding FOLDER/.lock, the record of a dead holder taken over or {}). Creates the folder.
+    FolderBusy when a live process holds it. Release with release_lock(fd, folder)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        return None, {}
+    path = folder / LOCK_FILE
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
+            holder = read_holder(fd)
+            os.close(fd)
+            if holder_alive(holder) or time.monotonic() > deadline:
+                raise FolderBusy(holder) from None
+            time.sleep(0.05)
+            continue
+        if not _same_file(fd, path):  # released and removed between our open and lock: lock the new file
+            os.close(fd)
+            continue
+        previous = read_holder(fd)
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else None,
+                  "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        return fd, previous
+
+
+def release_lock(fd, folder) -> None:
+    """Remove FOLDER/.lock (if it is still ours) and drop the lock."""
+    if fd is None:
+        return
+    path = Path(folder) / LOCK_FILE
+    try:
+        if _same_file(fd, path):
+            path.unlink()
+    except OSError:
+        pass
+    os.close(fd)
+
+
+def lock_holder(folder) -> dict | None:
+    """The record of the live process holding FOLDER/.lock, or None. Never waits and never blocks a writer
+    for longer than an instant (a writer refused meanwhile tries again). Not for use by the holder itself."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return read_holder(fd) or {"pid": None}
+        return None
+    finally:
+        os.close(fd)
+
+
 # ---- common/data.py ----
 # Reading and validating conversation data (JSONL of {"messages"} or {"prompt", "completion"}).
 import json
@@ -1223,9 +1378,7 @@ def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
         raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
                         "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in jsonl_lines(text):  # a byte-order mark and CRLF endings are fine
         try:
             rows.append((n, json.loads(line)))
         except json.JSONDecodeError as e:
@@ -2084,6 +2237,7 @@ def apply_length_limit(rendered, limit, mode):
 # Nothing is lost on a crash: rows are appended and fsynced one at a time, config.json is replaced
 # atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
 # changes until every check that can refuse the run (flags, data, budget) has passed.
+import contextlib
 import json
 import os
 from datetime import datetime, timezone
@@ -2126,6 +2280,43 @@ class Run:
     def __init__(self, path, extra_files=()):
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
+        self._lock_fd, self._made_folder = None, False
+
+    def lock(self) -> Run:
+        """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
+        the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
+        or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        self._made_folder = not self.path.exists()
+        try:
+            self._lock_fd, previous = acquire_lock(self.path)
+        except FolderBusy as busy:
+            alive = holder_alive(busy.holder)
+            elsewhere = " (that pid is not running here: the lock is held from another machine or container)"
+            how = f"wait for it to end (or stop it: kill {busy.holder['pid']})" if alive else "wait for it to end"
+            raise DataError(f"{self.path} is being written by {busy}{elsewhere if alive is False else ''}; one run "
+                            f"folder takes one writer at a time: {how}, then run this command again, or pass "
+                            "another --log-path") from None
+        if previous.get("pid"):
+            say(f"note: {self.path / '.lock'} was left by {previous.get('script') or 'a script'} (pid "
+                f"{previous['pid']} on host {previous.get('host')}, since {previous.get('started')}), which ended "
+                "without releasing it (killed?); this run takes the folder over")
+        return self
+
+    def unlock(self) -> None:
+        """Release LOG/.lock; a folder this run created and left empty is removed (a refused run leaves nothing)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        release_lock(fd, self.path)
+        if self._made_folder:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only when empty
+
+    def __enter__(self) -> Run:
+        return self if self._lock_fd is not None else self.lock()
+
+    def __exit__(self, *exc) -> None:
+        self.unlock()
 
     def file(self, name) -> Path:
         return self.path / name
@@ -2136,7 +2327,7 @@ class Run:
         if not path.exists():
             return []
         rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for _, line in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -2535,7 +2726,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 63c09ac69cee) ====
+# ==== END SHARED CODE (sha256 2cf3b1d2c09b) ====
 
 
 if __name__ == "__main__":
