@@ -12,7 +12,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from errors import DataError, say  # splice: drop
+from errors import BudgetError, DataError, ScriptError, one_line, say  # splice: drop
 from render import tokenizer_record  # splice: drop
 from run_files import FolderBusy, acquire_lock, holder_alive, jsonl_lines, release_lock  # splice: drop
 
@@ -53,6 +53,7 @@ class Run:
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
         self._lock_fd, self._made_folder = None, False
+        self.began = False  # this process started or resumed the record (begin(), or resume_point() with a row)
 
     def lock(self) -> Run:
         """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
@@ -87,8 +88,28 @@ class Run:
     def __enter__(self) -> Run:
         return self if self._lock_fd is not None else self.lock()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Release the lock; a runtime failure of a run this process began says where the record stands and
+        the command that continues it (the SDK's own errors do not)."""
         self.unlock()
+        if (not isinstance(exc, Exception) or isinstance(exc, (DataError, BudgetError)) or not self.began
+                or "--resume" in str(exc) or any(r.get("name") == "final" for r in self.checkpoints())):
+            return
+        text = f"{exc if isinstance(exc, ScriptError) else f'{type(exc).__name__}: {one_line(exc)}'}; {self.resume_hint()}"
+        try:  # the same exit code (a lost service stays 4)
+            failure = type(exc)(text) if isinstance(exc, ScriptError) else ScriptError(text)
+        except TypeError:
+            failure = ScriptError(text)
+        raise failure from exc
+
+    def resume_hint(self) -> str:
+        """What to run after a failure: --resume from the last checkpoint, or the same command if there is none."""
+        rows = self.checkpoints()
+        if rows:
+            return (f"the run record in {self.path} is saved up to its last checkpoint ({rows[-1].get('name')}, "
+                    "step " f"{rows[-1].get('step')}): continue with the same command plus --resume")
+        return (f"no checkpoint was saved in {self.path} yet: run the same command again with --overwrite "
+                "(--resume has nothing to continue from)")
 
     def file(self, name) -> Path:
         return self.path / name
@@ -168,6 +189,7 @@ class Run:
             if not rows:
                 raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
                                 "without --resume (add --overwrite to replace what is there)")
+            self.began = not dry_run
             return rows[-1]
         if self.holds_run() and not overwrite and not dry_run:
             raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
@@ -196,6 +218,7 @@ class Run:
     def begin(self, config: dict) -> None:
         """A new run: the folder's old record removed, config.json written. Call after every check."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.began = True
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
         self.write_json("config.json", {**config, **cookbook_config_fields(config)})

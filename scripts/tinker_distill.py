@@ -187,8 +187,9 @@ def main(argv=None):
               "format": student.fmt})
         return 0
     # `run` holds the folder's lock until the end: a second script on the same --log-path stops with exit 2
-    # before it reads, deletes or writes anything.
-    with Run(args.log_path) as run:
+    # before it reads, deletes or writes anything. watch_service(): a service lost for TINKER_UNREACHABLE_S
+    # ends the run with exit 4, not a hang.
+    with Run(args.log_path) as run, watch_service():
         return train_run(args, student, teacher, prompt_lengths, run)
 
 
@@ -1819,6 +1820,7 @@ class Run:
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
         self._lock_fd, self._made_folder = None, False
+        self.began = False  # this process started or resumed the record (begin(), or resume_point() with a row)
 
     def lock(self) -> Run:
         """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
@@ -1853,8 +1855,28 @@ class Run:
     def __enter__(self) -> Run:
         return self if self._lock_fd is not None else self.lock()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Release the lock; a runtime failure of a run this process began says where the record stands and
+        the command that continues it (the SDK's own errors do not)."""
         self.unlock()
+        if (not isinstance(exc, Exception) or isinstance(exc, (DataError, BudgetError)) or not self.began
+                or "--resume" in str(exc) or any(r.get("name") == "final" for r in self.checkpoints())):
+            return
+        text = f"{exc if isinstance(exc, ScriptError) else f'{type(exc).__name__}: {one_line(exc)}'}; {self.resume_hint()}"
+        try:  # the same exit code (a lost service stays 4)
+            failure = type(exc)(text) if isinstance(exc, ScriptError) else ScriptError(text)
+        except TypeError:
+            failure = ScriptError(text)
+        raise failure from exc
+
+    def resume_hint(self) -> str:
+        """What to run after a failure: --resume from the last checkpoint, or the same command if there is none."""
+        rows = self.checkpoints()
+        if rows:
+            return (f"the run record in {self.path} is saved up to its last checkpoint ({rows[-1].get('name')}, "
+                    "step " f"{rows[-1].get('step')}): continue with the same command plus --resume")
+        return (f"no checkpoint was saved in {self.path} yet: run the same command again with --overwrite "
+                "(--resume has nothing to continue from)")
 
     def file(self, name) -> Path:
         return self.path / name
@@ -1934,6 +1956,7 @@ class Run:
             if not rows:
                 raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
                                 "without --resume (add --overwrite to replace what is there)")
+            self.began = not dry_run
             return rows[-1]
         if self.holds_run() and not overwrite and not dry_run:
             raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
@@ -1962,6 +1985,7 @@ class Run:
     def begin(self, config: dict) -> None:
         """A new run: the folder's old record removed, config.json written. Call after every check."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.began = True
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
         self.write_json("config.json", {**config, **cookbook_config_fields(config)})
@@ -2122,10 +2146,14 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
+import contextlib
 import importlib
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -2134,6 +2162,78 @@ HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # 
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
 LOCAL_HINT = "for a free rehearsal start the local backend: python scripts/tinker_local.py run -- <this command>"
+# A training run whose service refuses TCP connections for this long stops with exit 4, its record saved for
+# --resume: the SDK alone retries a lost result forever. TINKER_UNREACHABLE_S changes it (the tests use 3).
+UNREACHABLE_S = 600.0
+
+
+class ServiceLost(AccessError):
+    """The service stopped answering for longer than TINKER_UNREACHABLE_S (raised in the main thread)."""
+
+
+_WATCH = {"active": False, "stop": None, "thread": None, "lost": None}
+
+
+def _on_service_lost(signum, frame):
+    if _WATCH["active"] and _WATCH["lost"]:
+        raise ServiceLost(_WATCH["lost"])
+
+
+@contextlib.contextmanager
+def watch_service():
+    """The span of a training run in which a lost service ends it: once connect() has reached Tinker, a
+    daemon thread opens one TCP connection to it every few seconds, and after TINKER_UNREACHABLE_S (default
+    UNREACHABLE_S) without one the main thread gets ServiceLost (exit 4) wherever it waits. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGUSR1, _on_service_lost)
+    _WATCH.update(active=True, stop=threading.Event(), thread=None, lost=None)
+    try:
+        yield
+    finally:
+        _WATCH["stop"].set()
+        _WATCH.update(active=False, thread=None)
+
+
+def unreachable_limit() -> float:
+    try:
+        value = float(os.environ.get("TINKER_UNREACHABLE_S") or UNREACHABLE_S)
+    except ValueError:
+        raise DataError(f"TINKER_UNREACHABLE_S={os.environ['TINKER_UNREACHABLE_S']!r}: expected seconds, e.g. "
+                        "600") from None
+    return value if value > 0 else UNREACHABLE_S
+
+
+def _start_watch(url: str) -> None:
+    """Called by connect() once the service answered; nothing outside watch_service()."""
+    import urllib.request
+
+    parts = urlsplit(url)
+    if not _WATCH["active"] or _WATCH["thread"] is not None or not parts.hostname:
+        return
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(parts.hostname):
+        return  # through an HTTP proxy a TCP connection proves nothing
+    address = (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    limit, stop = unreachable_limit(), _WATCH["stop"]
+    _WATCH["thread"] = threading.Thread(target=_watch, args=(url, address, limit, stop), daemon=True,
+                                        name="tinker-service-watch")
+    _WATCH["thread"].start()
+
+
+def _watch(url, address, limit, stop):
+    interval = min(10.0, max(0.2, limit / 6))
+    answered = time.monotonic()
+    while not stop.wait(interval):
+        try:
+            socket.create_connection(address, timeout=min(interval, REACH_TIMEOUT_S)).close()
+            answered = time.monotonic()
+        except OSError:
+            if time.monotonic() - answered >= limit and not stop.is_set():
+                _WATCH["lost"] = (f"lost Tinker at {url}: no TCP connection for {limit:g} s (TINKER_UNREACHABLE_S "
+                                  "sets how long a run waits)")
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
 
 
 def service_url() -> str:
@@ -2207,6 +2307,7 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     check_reachable()
     import tinker
 
+    _start_watch(service_url())
     if model_name is None:
         return tinker.ServiceClient(), None
     try:
@@ -2485,7 +2586,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 f3581fc52f8d) ====
+# ==== END SHARED CODE (sha256 ab94d725ffc1) ====
 
 
 if __name__ == "__main__":
