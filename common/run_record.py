@@ -13,10 +13,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from errors import BudgetError, DataError, ScriptError, one_line, say  # splice: drop
+from flags import check_free_space  # splice: drop
 from render import tokenizer_record  # splice: drop
 from run_files import FolderBusy, acquire_lock, holder_alive, jsonl_lines, release_lock  # splice: drop
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+# Free space a run folder needs before the first paid call: a row is small, but a full disk would stop the
+# run midway, after it was paid for. A floor, not an estimate (RL's rollout trace grows with --trace-every).
+RECORD_MIN_FREE = 64 * 2**20
 
 # Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
 # cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
@@ -59,6 +63,8 @@ class Run:
         """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
         the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
         or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
+                         "free some space or pass a --log-path on a disk with room")
         self._made_folder = not self.path.exists()
         try:
             self._lock_fd, previous = acquire_lock(self.path)

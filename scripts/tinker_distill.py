@@ -458,9 +458,18 @@ def load_teacher_tokenizer(teacher, args, recorded=None):
 
 
 def open_teacher(service, teacher, args):
-    """The teacher's sampling client; a tinker:// teacher without a known base model learns it here."""
+    """The teacher's sampling client, checked before any paid call: a tinker:// teacher that exists (one
+    without a known base model learns it here), or a base model this Tinker serves for sampling."""
+    import tinker
+
     if teacher.path:
-        client = service.create_sampling_client(model_path=teacher.path).result()
+        try:
+            client = service.create_sampling_client(model_path=teacher.path).result()
+        except (tinker.NotFoundError, tinker.BadRequestError, tinker.UnprocessableEntityError) as e:
+            raise DataError(f"the teacher checkpoint {teacher.path} cannot be sampled on this Tinker ({type(e).__name__}: "
+                            f"{one_line(getattr(e, 'message', None) or e, 120)}): it is unknown or expired; pass the "
+                            "sampler_path of the teacher run's final checkpoint (checkpoints.jsonl), or that run's "
+                            "folder as --teacher") from None
         served = client.get_base_model()
         if teacher.base and served and served.split(":", 1)[0] != teacher.base.split(":", 1)[0]:
             raise DataError(f"the teacher {teacher.path} samples on {served}, not {teacher.base} as given; "
@@ -469,6 +478,11 @@ def open_teacher(service, teacher, args):
             teacher.base = served
             load_teacher_tokenizer(teacher, args)
         return client
+    caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
+    sampleable = sorted(m.model_name for m in caps.supported_models if m.model_name and m.sampleable is not False)
+    if teacher.base.split(":", 1)[0] not in sampleable and teacher.base not in sampleable:
+        raise DataError(f"the teacher {teacher.base} is not served for sampling by this Tinker (it serves "
+                        f"{', '.join(sampleable[:12])}); pass one of those as --teacher, or a teacher run's folder")
     return service.create_sampling_client(base_model=teacher.base).result()
 
 
@@ -683,6 +697,7 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
 # Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
 import math
 import os
+import shutil
 from pathlib import Path
 
 
@@ -736,6 +751,21 @@ def check_writable_dir(path, what: str) -> Path:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
     return p
+
+
+def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
+    """DataError when the disk that holds `path` (or its nearest existing parent) has less than need_bytes
+    free: checked before any paid call, so a full disk never stops a run midway."""
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return  # cannot tell: the write itself will say
+    if free < need_bytes:
+        raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
+                        f"{free / 2**20:,.0f} MiB are free; {fix}")
 
 
 # ---- common/run_files.py ----
@@ -1414,6 +1444,9 @@ def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=No
         cached = _read_render_cache(path)
         if cached is not None:
             return cached
+        check_free_space(cache_dir, render_cache_bytes(examples), "the render cache (--render-cache)",
+                         f"free some space, or pass --render-cache DIR on a disk with room, or --render-cache off "
+                         "(a --resume then renders again)")
     workers = workers or os.cpu_count() or 1
     pooled = workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods()
     # One renderer per call (inherited by forked workers): its caches never carry one call's work into another.
@@ -1714,6 +1747,13 @@ def _fill(parts, values) -> str:
     return "".join([p if p.__class__ is str else values[p[1]][p[0]] for p in parts])
 
 
+def render_cache_bytes(examples) -> int:
+    """An upper estimate of the cache file of `examples` in bytes: 5 per character of their JSON, plus 1 MiB.
+    Measured with the Qwen3 tokenizer: 1.23 bytes per character for English chat (templates/sft_example.jsonl),
+    3.46 for Japanese, 4.12 for emoji and math symbols (each a token or more)."""
+    return 5 * sum(len(json.dumps(ex, ensure_ascii=False)) for ex in examples) + 2**20
+
+
 def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
     """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
     special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
@@ -1784,6 +1824,9 @@ from pathlib import Path
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+# Free space a run folder needs before the first paid call: a row is small, but a full disk would stop the
+# run midway, after it was paid for. A floor, not an estimate (RL's rollout trace grows with --trace-every).
+RECORD_MIN_FREE = 64 * 2**20
 
 # Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
 # cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
@@ -1826,6 +1869,8 @@ class Run:
         """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
         the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
         or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
+                         "free some space or pass a --log-path on a disk with room")
         self._made_folder = not self.path.exists()
         try:
             self._lock_fd, previous = acquire_lock(self.path)
@@ -2586,7 +2631,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 ab94d725ffc1) ====
+# ==== END SHARED CODE (sha256 02b4f954e583) ====
 
 
 if __name__ == "__main__":

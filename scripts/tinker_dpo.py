@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     if args.init_from:
         check_tinker_path(args.init_from, "weights")
     check_writable_dir(args.log_path, "--log-path")
+    check_torch(args.dry_run)
     # `run` holds the folder's lock until the end: a second script on the same --log-path stops with exit 2
     # before it reads, deletes or writes anything. watch_service(): a service lost for TINKER_UNREACHABLE_S
     # ends the run with exit 4, not a hang.
@@ -231,6 +232,21 @@ def train_run(args, run) -> int:
           "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
           "tokens": tokens, "cost": est, "format": fmt})
     return EXIT_OK
+
+
+def check_torch(dry_run):
+    """torch computes the DPO loss here (forward_backward_custom): checked before any Tinker call, so a
+    missing install never costs the reference pass. A dry run only warns (it needs no torch)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        fix = ("pip install torch (on a machine without a GPU the CPU build: pip install torch --index-url "
+               "https://download.pytorch.org/whl/cpu), or run with uv run tinker_dpo.py, whose header installs it")
+        if dry_run:
+            say(f"warning: torch is not importable ({e}); the real run needs it: {fix}")
+            return
+        raise DataError(f"torch is not importable ({e}); tinker_dpo.py computes the DPO loss with it on this "
+                        f"machine (forward_backward_custom), before any paid call: {fix}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,6 +594,7 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
 # Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
 import math
 import os
+import shutil
 from pathlib import Path
 
 
@@ -631,6 +648,21 @@ def check_writable_dir(path, what: str) -> Path:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
     return p
+
+
+def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
+    """DataError when the disk that holds `path` (or its nearest existing parent) has less than need_bytes
+    free: checked before any paid call, so a full disk never stops a run midway."""
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return  # cannot tell: the write itself will say
+    if free < need_bytes:
+        raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
+                        f"{free / 2**20:,.0f} MiB are free; {fix}")
 
 
 # ---- common/run_files.py ----
@@ -1309,6 +1341,9 @@ def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=No
         cached = _read_render_cache(path)
         if cached is not None:
             return cached
+        check_free_space(cache_dir, render_cache_bytes(examples), "the render cache (--render-cache)",
+                         f"free some space, or pass --render-cache DIR on a disk with room, or --render-cache off "
+                         "(a --resume then renders again)")
     workers = workers or os.cpu_count() or 1
     pooled = workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods()
     # One renderer per call (inherited by forked workers): its caches never carry one call's work into another.
@@ -1609,6 +1644,13 @@ def _fill(parts, values) -> str:
     return "".join([p if p.__class__ is str else values[p[1]][p[0]] for p in parts])
 
 
+def render_cache_bytes(examples) -> int:
+    """An upper estimate of the cache file of `examples` in bytes: 5 per character of their JSON, plus 1 MiB.
+    Measured with the Qwen3 tokenizer: 1.23 bytes per character for English chat (templates/sft_example.jsonl),
+    3.46 for Japanese, 4.12 for emoji and math symbols (each a token or more)."""
+    return 5 * sum(len(json.dumps(ex, ensure_ascii=False)) for ex in examples) + 2**20
+
+
 def render_cache_key(examples, tokenizer, fmt, train_on) -> str:
     """sha256 of everything a rendered datum depends on: the examples, the tokenizer's vocabulary and
     special tokens, the format record (template hash, kwargs, stop), train_on and the rendering code."""
@@ -1679,6 +1721,9 @@ from pathlib import Path
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+# Free space a run folder needs before the first paid call: a row is small, but a full disk would stop the
+# run midway, after it was paid for. A floor, not an estimate (RL's rollout trace grows with --trace-every).
+RECORD_MIN_FREE = 64 * 2**20
 
 # Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
 # cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
@@ -1721,6 +1766,8 @@ class Run:
         """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
         the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
         or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
+                         "free some space or pass a --log-path on a disk with room")
         self._made_folder = not self.path.exists()
         try:
             self._lock_fd, previous = acquire_lock(self.path)
@@ -2372,7 +2419,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 22eab4e1c1e8) ====
+# ==== END SHARED CODE (sha256 9960c08c86d1) ====
 
 
 if __name__ == "__main__":

@@ -41,18 +41,20 @@ ABSORBED = ("429-0", "429-1", "500", "502", "503", "reset-before", "reset-after"
 LOST_RESULT_OPS = ("result:forward_backward", "result:optim_step")
 KILLS_PER_SCRIPT = 2
 
+# outcome key -> (the table's short form, what it means in full: printed under the table)
 OUTCOMES = {
-    "absorbed": "finishes (exit 0); metrics, cost and final weights equal the uninterrupted run's",
-    "delay": "the SDK times out (45 s poll / 60 s submit) and asks again; finishes (exit 0), equal to the "
-             "uninterrupted run",
-    "death": "exit 4 after TINKER_UNREACHABLE_S without a TCP answer (before the fix: waited forever); the "
-             "printed command (--resume, or the same command when no checkpoint was saved) on a new server "
-             "finishes equal to the uninterrupted run",
-    "restart": "exit 1 (the restarted server lost the model's loaded weights: 'Model ... not loaded'), the "
-               "error line naming the command that continues; that command finishes equal to the "
-               "uninterrupted run",
-    "sigkill": "killed mid-request; the printed command (--resume from the last checkpoint, the same command "
-               "when none was saved) finishes equal to the uninterrupted run: one metrics row per step",
+    "absorbed": ("finishes, equal", "exit 0; metrics, cost total and final weights equal the uninterrupted run's"),
+    "delay": ("finishes after the timeout, equal", "the SDK times out (45 s poll, 60 s submit) and asks again; exit 0, equal"),
+    "death": ("exit 4; printed command finishes, equal",
+              "exit 4 after TINKER_UNREACHABLE_S without a TCP answer (before the fix: waited forever); the command "
+              "the error line names (--resume, or the same command with --overwrite when no checkpoint was saved), "
+              "run on a new server, finishes equal to the uninterrupted run"),
+    "restart": ("exit 1; printed command finishes, equal",
+                "exit 1: the restarted server lost the model's loaded weights ('Model ... not loaded'); the command "
+                "the error line names finishes equal to the uninterrupted run"),
+    "sigkill": ("killed; --resume finishes, equal",
+                "SIGKILL as the request reaches the server; --resume from the last checkpoint (the same command "
+                "with --overwrite when none was saved) finishes equal to the uninterrupted run"),
 }
 
 
@@ -110,10 +112,13 @@ def render_table(cases=CASES) -> str:
     rows = ["| script | fault | points (request number within the run) | outcome |", "| --- | --- | --- | --- |"]
     for c in cases:
         fault = "SIGKILL of the script" if c.kind == "sigkill" else c.kind
-        rows.append(f"| {c.script} | {fault} | {c.points()} | {OUTCOMES[c.outcome]} |")
+        rows.append(f"| {c.script} | {fault} | {c.points()} | {OUTCOMES[c.outcome][0]} |")
     head = (f"{fault_count(cases)} fault cases (script x fault x point) in {len(cases)} runs, seed {SEED}, "
-            "each run 2 steps or iterations (tests/test_faults_e2e.py, through tests/fault_proxy.py):")
-    return "\n".join([START, head, "", *rows, END])
+            "each run 2 steps or iterations (tests/test_faults_e2e.py, through tests/fault_proxy.py). "
+            "`result:OP` is the poll that carries OP's result; `equal` means the metrics (one whole row per "
+            "step), the cost total and the final weights' logprobs equal an uninterrupted run's.")
+    legend = [f"- {short}: {full}." for short, full in dict(OUTCOMES.values()).items()]
+    return "\n".join([START, head, "", *rows, "", *legend, END])
 
 
 def write_table(doc=TABLE_DOC) -> bool:

@@ -118,7 +118,7 @@ def mortal(tmp_path_factory):
               file=sys.stderr)
 
 
-def run(mortal, script, log, url, *extra, env_extra=None, timeout=900):
+def run(mortal, script, log, url, *extra, env_extra=None, timeout=300):
     argv = settings(script, mortal.tokenizer, mortal.model)
     started = time.monotonic()
     out = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--log-path", str(log), *extra],
@@ -272,7 +272,7 @@ def test_sigkill_at_any_request_then_resume_repeats_the_uninterrupted_run(case, 
         holder["proc"] = subprocess.Popen([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--log-path", str(log)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           env=mortal.env(proxy.base_url))
-        code = holder["proc"].wait(timeout=900)
+        code = holder["proc"].wait(timeout=300)
         TIMINGS[f"{case.script}:{log.name}:killed"] = time.monotonic() - started
         assert [str(f) for f in proxy.fired] == [str(f) for f in case.faults]
     assert code == -signal.SIGKILL
