@@ -362,8 +362,10 @@ def test_a_full_disk_is_refused_before_any_call(monkeypatch, tmp_path):
 
 @pytest.mark.e2e
 @proves("cannot be sampled on this Tinker")
-def test_a_distill_teacher_checkpoint_that_is_gone(service):
+def test_a_distill_teacher_checkpoint_that_is_gone(service, local_tinker, monkeypatch):
     import types as pytypes
+
+    local_tinker.apply(monkeypatch)  # the served-model check asks the service of the environment
 
     import tinker_distill
 
