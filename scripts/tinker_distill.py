@@ -1862,7 +1862,7 @@ class Run:
     def __init__(self, path, extra_files=()):
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
-        self._lock_fd, self._made_folder = None, False
+        self._lock_fd, self._made_folders = None, []
         self.began = False  # this process started or resumed the record (begin(), or resume_point() with a row)
 
     def lock(self) -> Run:
@@ -1871,7 +1871,8 @@ class Run:
         or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
         check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
                          "free some space or pass a --log-path on a disk with room")
-        self._made_folder = not self.path.exists()
+        self._made_folders = [self.path, *self.path.parents]  # those missing now, leaf first
+        self._made_folders = self._made_folders[:next(i for i, d in enumerate(self._made_folders) if d.exists())]
         try:
             self._lock_fd, previous = acquire_lock(self.path)
         except FolderBusy as busy:
@@ -1888,14 +1889,16 @@ class Run:
         return self
 
     def unlock(self) -> None:
-        """Release LOG/.lock; a folder this run created and left empty is removed (a refused run leaves nothing)."""
+        """Release LOG/.lock; folders this run created and left empty are removed (a refused run leaves nothing)."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
         release_lock(fd, self.path)
-        if self._made_folder:
-            with contextlib.suppress(OSError):
-                self.path.rmdir()  # only when empty
+        for folder in self._made_folders:  # leaf first, each only when empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
     def __enter__(self) -> Run:
         return self if self._lock_fd is not None else self.lock()
@@ -2631,7 +2634,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 02b4f954e583) ====
+# ==== END SHARED CODE (sha256 3430dea44a90) ====
 
 
 if __name__ == "__main__":

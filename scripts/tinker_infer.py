@@ -2309,7 +2309,7 @@ class Run:
     def __init__(self, path, extra_files=()):
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
-        self._lock_fd, self._made_folder = None, False
+        self._lock_fd, self._made_folders = None, []
         self.began = False  # this process started or resumed the record (begin(), or resume_point() with a row)
 
     def lock(self) -> Run:
@@ -2318,7 +2318,8 @@ class Run:
         or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
         check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
                          "free some space or pass a --log-path on a disk with room")
-        self._made_folder = not self.path.exists()
+        self._made_folders = [self.path, *self.path.parents]  # those missing now, leaf first
+        self._made_folders = self._made_folders[:next(i for i, d in enumerate(self._made_folders) if d.exists())]
         try:
             self._lock_fd, previous = acquire_lock(self.path)
         except FolderBusy as busy:
@@ -2335,14 +2336,16 @@ class Run:
         return self
 
     def unlock(self) -> None:
-        """Release LOG/.lock; a folder this run created and left empty is removed (a refused run leaves nothing)."""
+        """Release LOG/.lock; folders this run created and left empty are removed (a refused run leaves nothing)."""
         fd, self._lock_fd = self._lock_fd, None
         if fd is None:
             return
         release_lock(fd, self.path)
-        if self._made_folder:
-            with contextlib.suppress(OSError):
-                self.path.rmdir()  # only when empty
+        for folder in self._made_folders:  # leaf first, each only when empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
     def __enter__(self) -> Run:
         return self if self._lock_fd is not None else self.lock()
@@ -2857,7 +2860,7 @@ class CostMeter:
             step += est["usd"]["total"]
         self.cumulative += step
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
-# ==== END SHARED CODE (sha256 22dbd75a9525) ====
+# ==== END SHARED CODE (sha256 8a1799cdb34a) ====
 
 
 if __name__ == "__main__":

@@ -94,6 +94,10 @@ def build_cases() -> list[Case]:
             op = rng.choice(list(REQUESTS[script]))
             cases.append(Case(script, "sigkill", (Fault("sigkill", op, _draw(rng, op, script).nth),),
                               "sigkill"))
+        # The server applied the last optim_step and the script dies before it hears so (before its row):
+        # does --resume apply that step twice? (Measured: no, resume restores the last checkpoint.)
+        last = REQUESTS[script]["optim_step"]
+        cases.append(Case(script, "sigkill", (Fault("sigkill", "result:optim_step", last),), "sigkill"))
     # A response slower than the SDK's timeout costs its full wait (45-61 s) in wall time: two cases.
     cases.append(Case("sft", "delay", (Fault("delay", "result:optim_step", 1),), "delay"))
     cases.append(Case("rl", "delay", (Fault("delay", "asample", 2),), "delay"))

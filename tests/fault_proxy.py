@@ -20,7 +20,8 @@ that operation's n-th request (the proxy learns request ids from the submit answ
     restart        as death, then a new server on the same --run-dir (its database and checkpoints
                    stay) and the proxy listens again on the same port
     sigkill        on_kill() is called (the harness SIGKILLs the script) as the request arrives, which is
-                   then forwarded: the server acts for a client that is gone
+                   then forwarded: the server acts for a client that is gone; on `result:OP`, once the
+                   server has answered with the result (it applied the request), before the client reads it
 
 The proxy is bounded: it stops by itself `lifetime` seconds after it started, answers every request on a
 thread of its own, and never keeps a socket open after close().
@@ -90,6 +91,7 @@ class FaultProxy:
         self.events: list[Event] = []
         self.counts: dict[str, int] = {}
         self.request_ops: dict[str, tuple[str, int]] = {}  # request_id -> (op, n)
+        self.attempts: dict[str, int] = {}  # X-Idempotency-Key -> n of its op
         self.results_seen: set[str] = set()
         self.on_death, self.on_restart, self.on_kill = on_death, on_restart, on_kill
         self.dead = False
@@ -171,7 +173,7 @@ class FaultProxy:
 
     # ---- the faults -----------------------------------------------------------------------------
 
-    def classify(self, path: str, body: bytes) -> tuple[str, int, Fault | None]:
+    def classify(self, path: str, body: bytes, key: str | None = None) -> tuple[str, int, Fault | None]:
         """(op, its request number, the fault scheduled for it) of one request."""
         op = path.split("?", 1)[0].removeprefix(API) if path.startswith(API) else path
         if op == "retrieve_future":
@@ -185,8 +187,13 @@ class FaultProxy:
                 fault = self.faults.get(key)
                 if fault is not None and fault not in self.fired:
                     return key[0], key[1], fault
-        with self.cond:
-            self.counts[op] = n = self.counts.get(op, 0) + 1
+        with self.cond:  # an SDK retry (same X-Idempotency-Key) is the same request: same number
+            if key and key in self.attempts:
+                n = self.attempts[key]
+            else:
+                self.counts[op] = n = self.counts.get(op, 0) + 1
+                if key:
+                    self.attempts[key] = n
         fault = self.faults.get((op, n))
         return op, n, fault if fault is not None and fault not in self.fired else None
 
@@ -249,7 +256,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         owner = self.owner
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        op, n, fault = owner.classify(self.path, body)
+        op, n, fault = owner.classify(self.path, body, self.headers.get("X-Idempotency-Key"))
         kind = fault.kind if fault else None
         if fault is not None:
             with owner.cond:
@@ -273,7 +280,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             owner._record(Event(op, n, str(fault), None))
             threading.Thread(target=owner.die, args=(kind == "restart",), daemon=True).start()
             return self.drop()
-        if kind == "sigkill" and owner.on_kill is not None:
+        if kind == "sigkill" and owner.on_kill is not None and not op.startswith("result:"):
             owner.on_kill()
         if owner.dead:
             owner._record(Event(op, n, None, None))
@@ -290,7 +297,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 request_id = json.loads(answer).get("request_id")
             if request_id:
                 with owner.cond:
-                    owner.request_ops[request_id] = (op, n)
+                    owner.request_ops.setdefault(request_id, (op, n))
         if op.startswith("result:"):
             with contextlib.suppress(ValueError, AttributeError):
                 if json.loads(answer).get("type") == "try_again":
@@ -304,6 +311,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 if rid and fault is None and not _is_try_again(answer):
                     with owner.cond:
                         owner.results_seen.add(rid)
+        if kind == "sigkill" and owner.on_kill is not None:  # a result: the server has applied the request
+            owner.on_kill()
         if kind == "reset-after":
             owner._record(Event(op, n, str(fault), None, request_id))
             return self.drop()
