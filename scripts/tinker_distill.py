@@ -478,12 +478,17 @@ def open_teacher(service, teacher, args):
             teacher.base = served
             load_teacher_tokenizer(teacher, args)
         return client
+    check_teacher_served(teacher.base)
+    return service.create_sampling_client(base_model=teacher.base).result()
+
+
+def check_teacher_served(base):
+    """DataError unless this Tinker serves the teacher's base model for sampling (asked once, free)."""
     caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
     sampleable = sorted(m.model_name for m in caps.supported_models if m.model_name and m.sampleable is not False)
-    if teacher.base.split(":", 1)[0] not in sampleable and teacher.base not in sampleable:
-        raise DataError(f"the teacher {teacher.base} is not served for sampling by this Tinker (it serves "
+    if base.split(":", 1)[0] not in sampleable and base not in sampleable:
+        raise DataError(f"the teacher {base} is not served for sampling by this Tinker (it serves "
                         f"{', '.join(sampleable[:12])}); pass one of those as --teacher, or a teacher run's folder")
-    return service.create_sampling_client(base_model=teacher.base).result()
 
 
 def check_same_rendering(student, teacher):

@@ -183,7 +183,8 @@ def assert_same_run(mortal, script, log, base):
     assert [r[key] for r in got["rows"]] == list(range(first, first + STEPS)), "one row per step, no gap or duplicate"
     for mine, theirs in zip(got["rows"], base["rows"]):
         for name in COMPARED[script]:
-            assert math.isclose(mine[name], theirs[name], rel_tol=TOLERANCE, abs_tol=TOLERANCE), (name, mine, theirs)
+            a, b = mine.get(name), theirs.get(name)
+            assert (a is None and b is None) or math.isclose(a, b, rel_tol=TOLERANCE, abs_tol=TOLERANCE), (name, a, b)
     cumulative = 0.0
     for row in got["rows"]:
         if "cost/step_usd" in row:
