@@ -2624,6 +2624,8 @@ def train_step(training_client, datums, loss_fn, config, learning_rate, on_error
         step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **ADAM))
         result = fb.result()
         step.result()
+    except ScriptError:  # ours already (a lost service stays exit 4)
+        raise
     except Exception as e:
         if on_error is None:
             raise
@@ -2639,7 +2641,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 3430dea44a90) ====
+# ==== END SHARED CODE (sha256 c95a5a32fe8d) ====
 
 
 if __name__ == "__main__":

@@ -449,7 +449,7 @@ def training_failure(e, args, run, it, start):
         return DataError(f"the server rejected --loss-fn {args.loss_fn} ({described}); the run stops here "
                          f"({where}). Rerun with --loss-fn {others}")
     return ScriptError(f"forward_backward/optim_step failed at iteration {it} ({described}); the run stops "
-                       f"here ({where}); rerun with --resume")
+                       f"here: {run.resume_hint()}")
 
 
 def is_rejection(e):
@@ -2526,6 +2526,8 @@ def train_step(training_client, datums, loss_fn, config, learning_rate, on_error
         step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **ADAM))
         result = fb.result()
         step.result()
+    except ScriptError:  # ours already (a lost service stays exit 4)
+        raise
     except Exception as e:
         if on_error is None:
             raise
@@ -2956,7 +2958,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 e2d72ba2c7fe) ====
+# ==== END SHARED CODE (sha256 04b12f4adb6a) ====
 
 
 if __name__ == "__main__":
