@@ -35,8 +35,10 @@ REQUESTS = {
                 "save_weights_for_sampler": 3},
 }
 SCRIPTS = tuple(REQUESTS)
-# Faults the SDK is meant to absorb: the run must finish exactly as an uninterrupted one.
+# Faults the SDK is meant to absorb: the run must finish exactly as an uninterrupted one. Two kinds share a
+# run (each at every point, at different request numbers where the run makes more than one such request).
 ABSORBED = ("429-0", "429-1", "500", "502", "503", "reset-before", "reset-after")
+ABSORBED_RUNS = (("429-0", "500"), ("429-1", "502"), ("503", "reset-before"), ("reset-after",))
 # A lost answer is also tried on the poll that carries a training result (the server applied the step).
 LOST_RESULT_OPS = ("result:forward_backward", "result:optim_step")
 KILLS_PER_SCRIPT = 2
@@ -70,7 +72,8 @@ class Case:
         return f"{self.script}-{self.kind}"
 
     def points(self) -> str:
-        return ", ".join(f"{f.op} #{f.nth}" for f in self.faults)
+        several = len({f.kind for f in self.faults}) > 1
+        return ", ".join(f"{f.op} #{f.nth}" + (f" ({f.kind})" if several else "") for f in self.faults)
 
 
 def _draw(rng, op, script):
@@ -80,11 +83,15 @@ def _draw(rng, op, script):
 def build_cases() -> list[Case]:
     cases = []
     for script in SCRIPTS:
-        for kind in ABSORBED:
-            rng = random.Random(f"{SEED}:{script}:{kind}")
-            ops = list(REQUESTS[script]) + (list(LOST_RESULT_OPS) if kind == "reset-after" else [])
-            faults = tuple(Fault(kind, op, _draw(rng, op, script).nth) for op in ops)
-            cases.append(Case(script, kind, faults, "absorbed"))
+        for kinds in ABSORBED_RUNS:
+            rng = random.Random(f"{SEED}:{script}:{'+'.join(kinds)}")
+            ops = list(REQUESTS[script]) + (list(LOST_RESULT_OPS) if "reset-after" in kinds else [])
+            faults = []
+            for op in ops:
+                numbers = rng.sample(range(1, REQUESTS[script][op.removeprefix("result:")] + 1),
+                                     min(len(kinds), REQUESTS[script][op.removeprefix("result:")]))
+                faults += [Fault(kind, op, nth) for kind, nth in zip(kinds, numbers)]
+            cases.append(Case(script, "+".join(kinds), tuple(faults), "absorbed"))
         rng = random.Random(f"{SEED}:{script}:mortal")
         for kind in ("death", "restart"):
             op = rng.choice(["forward_backward", "optim_step", "save_weights", "asample"])
@@ -115,7 +122,7 @@ def fault_count(cases=CASES) -> int:
 def render_table(cases=CASES) -> str:
     rows = ["| script | fault | points (request number within the run) | outcome |", "| --- | --- | --- | --- |"]
     for c in cases:
-        fault = "SIGKILL of the script" if c.kind == "sigkill" else c.kind
+        fault = "SIGKILL of the script" if c.kind == "sigkill" else c.kind.replace("+", " and ")
         rows.append(f"| {c.script} | {fault} | {c.points()} | {OUTCOMES[c.outcome][0]} |")
     head = (f"{fault_count(cases)} fault cases (script x fault x point) in {len(cases)} runs, seed {SEED}, "
             "each run 2 steps or iterations (tests/test_faults_e2e.py, through tests/fault_proxy.py). "

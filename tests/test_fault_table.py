@@ -10,13 +10,16 @@ def test_the_troubleshooting_table_is_the_one_the_harness_runs():
 
 def test_the_harness_runs_at_least_60_cases_over_every_script_fault_and_point():
     assert fault_count() >= 60
-    kinds = {c.kind for c in CASES}
+    kinds = {f.kind for c in CASES for f in c.faults}
     assert kinds >= {"429-0", "429-1", "500", "502", "503", "reset-before", "reset-after", "delay", "death",
                      "restart", "sigkill"}
     for script, ops in REQUESTS.items():
         hit = {f.op for c in CASES if c.script == script for f in c.faults}
         assert set(ops) <= hit, (script, set(ops) - hit)  # every point of every script takes a fault
         assert sum(c.kind == "sigkill" for c in CASES if c.script == script) >= 2
+    for kind in ("429-0", "429-1", "500", "502", "503", "reset-before", "reset-after"):
+        points = {f.op for c in CASES for f in c.faults if f.kind == kind}
+        assert len(points) >= 5, (kind, points)  # each fault at several points
 
 
 def test_every_fault_hits_a_request_the_run_makes():
