@@ -121,8 +121,12 @@ def mortal(tmp_path_factory):
 def run(mortal, script, log, url, *extra, env_extra=None, timeout=300):
     argv = settings(script, mortal.tokenizer, mortal.model)
     started = time.monotonic()
-    out = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--log-path", str(log), *extra],
-                         capture_output=True, text=True, env=mortal.env(url, **(env_extra or {})), timeout=timeout)
+    try:
+        out = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--log-path", str(log), *extra],
+                             capture_output=True, text=True, env=mortal.env(url, **(env_extra or {})), timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # a hang is a failure: say where it stood
+        pytest.fail(f"{script} {' '.join(extra)} still running after {timeout} s; its stderr ends:\n"
+                    f"{(e.stderr or b'')[-3000:].decode(errors='replace')}", pytrace=False)
     TIMINGS[f"{script}:{log.name}:{' '.join(extra)}"] = time.monotonic() - started
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     return out
@@ -273,7 +277,12 @@ def test_sigkill_at_any_request_then_resume_repeats_the_uninterrupted_run(case, 
         holder["proc"] = subprocess.Popen([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--log-path", str(log)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           env=mortal.env(proxy.base_url))
-        code = holder["proc"].wait(timeout=300)
+        try:
+            code = holder["proc"].wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            holder["proc"].kill()
+            pytest.fail(f"the kill moment {case.faults[0]} never came; the proxy saw: "
+                        f"{[(e.op, e.n, e.fault, e.status) for e in proxy.events][-30:]}", pytrace=False)
         TIMINGS[f"{case.script}:{log.name}:killed"] = time.monotonic() - started
         assert [str(f) for f in proxy.fired] == [str(f) for f in case.faults]
     assert code == -signal.SIGKILL
