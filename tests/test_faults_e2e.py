@@ -94,6 +94,15 @@ class Mortal:
         if self.server is None or self.server.proc.poll() is not None:
             self.start()
 
+    def log_tail(self, lines=40) -> str:
+        """The server log's last lines (rich's box drawing dropped), for a failure message."""
+        try:
+            text = self.server.log.read_text(errors="replace").splitlines()
+        except (OSError, AttributeError):
+            return "(no server log)"
+        kept = [x for x in text if x.strip() and not x.lstrip().startswith(("│", "╭", "╰"))]
+        return "server log ends:\n" + "\n".join(kept[-lines:])
+
     def env(self, url, **extra) -> dict:
         env = {**os.environ, **tinker_local.client_env(url, self.home), "TINKER_API_KEY": API_KEY,
                "TINKER_UNREACHABLE_S": "600"}
@@ -126,7 +135,7 @@ def run(mortal, script, log, url, *extra, env_extra=None, timeout=300):
                              capture_output=True, text=True, env=mortal.env(url, **(env_extra or {})), timeout=timeout)
     except subprocess.TimeoutExpired as e:  # a hang is a failure: say where it stood
         pytest.fail(f"{script} {' '.join(extra)} still running after {timeout} s; its stderr ends:\n"
-                    f"{(e.stderr or b'')[-3000:].decode(errors='replace')}", pytrace=False)
+                    f"{(e.stderr or b'')[-3000:].decode(errors='replace')}\n{mortal.log_tail()}", pytrace=False)
     TIMINGS[f"{script}:{log.name}:{' '.join(extra)}"] = time.monotonic() - started
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     return out
@@ -282,7 +291,8 @@ def test_sigkill_at_any_request_then_resume_repeats_the_uninterrupted_run(case, 
         except subprocess.TimeoutExpired:
             holder["proc"].kill()
             pytest.fail(f"the kill moment {case.faults[0]} never came; the proxy saw: "
-                        f"{[(e.op, e.n, e.fault, e.status) for e in proxy.events][-30:]}", pytrace=False)
+                        f"{[(e.op, e.n, e.fault, e.status) for e in proxy.events][-30:]}\n{mortal.log_tail()}",
+                        pytrace=False)
         TIMINGS[f"{case.script}:{log.name}:killed"] = time.monotonic() - started
         assert [str(f) for f in proxy.fired] == [str(f) for f in case.faults]
     assert code == -signal.SIGKILL
