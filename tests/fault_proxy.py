@@ -254,8 +254,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def handle_one(self):
         owner = self.owner
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else b""
+        body = self.read_body()
         op, n, fault = owner.classify(self.path, body, self.headers.get("X-Idempotency-Key"))
         kind = fault.kind if fault else None
         if fault is not None:
@@ -331,11 +330,27 @@ class ProxyHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(answer)
 
+    def read_body(self) -> bytes:
+        """The request body, by Content-Length or chunked (the whole of it: the connection stays in step)."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            chunks = []
+            while True:
+                size = int(self.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                        pass
+                    return b"".join(chunks)
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline()
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
     def forward(self, body):
         parts = urlsplit(self.owner.upstream)
         conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
         try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+            headers = {k: v for k, v in self.headers.items()
+                       if k.lower() not in ("host", "connection", "transfer-encoding", "content-length")}
             conn.request(self.command, self.path, body=body or None, headers=headers)
             response = conn.getresponse()
             return response.status, response.getheaders(), response.read()
