@@ -41,7 +41,7 @@ ABSORBED = ("429-0", "429-1", "500", "502", "503", "reset-before", "reset-after"
 ABSORBED_RUNS = (("429-0", "500"), ("429-1", "502"), ("503", "reset-before"), ("reset-after",))
 # A lost answer is also tried on the poll that carries a training result (the server applied the step).
 LOST_RESULT_OPS = ("result:forward_backward", "result:optim_step")
-KILLS_PER_SCRIPT = 2
+KILLS_PER_SCRIPT = 1  # seeded moments, plus the kill after the last optim_step was applied
 
 # outcome key -> (the table's short form, what it means in full: printed under the table)
 OUTCOMES = {
