@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 from errors import DataError  # splice: drop
+from run_files import jsonl_lines  # splice: drop
 
 
 def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
@@ -25,9 +26,7 @@ def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
         raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
                         "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    for n, line in jsonl_lines(text):  # a byte-order mark and CRLF endings are fine
         try:
             rows.append((n, json.loads(line)))
         except json.JSONDecodeError as e:

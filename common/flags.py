@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 from errors import DataError  # splice: drop
@@ -58,3 +59,18 @@ def check_writable_dir(path, what: str) -> Path:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
     return p
+
+
+def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
+    """DataError when the disk that holds `path` (or its nearest existing parent) has less than need_bytes
+    free: checked before any paid call, so a full disk never stops a run midway."""
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return  # cannot tell: the write itself will say
+    if free < need_bytes:
+        raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
+                        f"{free / 2**20:,.0f} MiB are free; {fix}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from errors import say  # splice: drop
+from errors import ScriptError, say  # splice: drop
 from training import ADAM, PERIODIC_TTL_SECONDS  # splice: drop
 
 # 64 sampling requests in flight: the cookbook's evaluation default (BenchmarkConfig concurrency=64);
@@ -93,6 +93,8 @@ def train_step(training_client, datums, loss_fn, config, learning_rate, on_error
         step = training_client.optim_step(tinker.AdamParams(learning_rate=learning_rate, **ADAM))
         result = fb.result()
         step.result()
+    except ScriptError:  # ours already (a lost service stays exit 4)
+        raise
     except Exception as e:
         if on_error is None:
             raise

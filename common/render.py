@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from errors import DataError, RenderError, local_launcher, say, this_command  # splice: drop
+from flags import check_free_space  # splice: drop
 
 FROZEN_DATE = "2024-07-26"  # every datum renders the same on every day, so resume is exact
 FROZEN_DATE_STRING = "26 Jul 2024"  # Llama 3.x templates print this when given
@@ -397,6 +398,9 @@ def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=No
         cached = _read_render_cache(path)
         if cached is not None:
             return cached
+        check_free_space(cache_dir, render_cache_bytes(examples), "the render cache (--render-cache)",
+                         f"free some space, or pass --render-cache DIR on a disk with room, or --render-cache off "
+                         "(a --resume then renders again)")
     workers = workers or os.cpu_count() or 1
     pooled = workers > 1 and len(examples) >= POOL_MIN_EXAMPLES and "fork" in multiprocessing.get_all_start_methods()
     # One renderer per call (inherited by forked workers): its caches never carry one call's work into another.
@@ -695,6 +699,13 @@ def _parts(text, offset):
 
 def _fill(parts, values) -> str:
     return "".join([p if p.__class__ is str else values[p[1]][p[0]] for p in parts])
+
+
+def render_cache_bytes(examples) -> int:
+    """An upper estimate of the cache file of `examples` in bytes: 5 per character of their JSON, plus 1 MiB.
+    Measured with the Qwen3 tokenizer: 1.23 bytes per character for English chat (templates/sft_example.jsonl),
+    3.46 for Japanese, 4.12 for emoji and math symbols (each a token or more)."""
+    return 5 * sum(len(json.dumps(ex, ensure_ascii=False)) for ex in examples) + 2**20
 
 
 def render_cache_key(examples, tokenizer, fmt, train_on) -> str:

@@ -6,15 +6,21 @@ changes until every check that can refuse the run (flags, data, budget) has pass
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from errors import DataError, say  # splice: drop
+from errors import BudgetError, DataError, ScriptError, one_line, say  # splice: drop
+from flags import check_free_space  # splice: drop
 from render import tokenizer_record  # splice: drop
+from run_files import FolderBusy, acquire_lock, holder_alive, jsonl_lines, release_lock  # splice: drop
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+# Free space a run folder needs before the first paid call: a row is small, but a full disk would stop the
+# run midway, after it was paid for. A floor, not an estimate (RL's rollout trace grows with --trace-every).
+RECORD_MIN_FREE = 64 * 2**20
 
 # Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
 # cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
@@ -50,6 +56,69 @@ class Run:
     def __init__(self, path, extra_files=()):
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
+        self._lock_fd, self._made_folders = None, []
+        self.began = False  # this process started or resumed the record (begin(), or resume_point() with a row)
+
+    def lock(self) -> Run:
+        """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
+        the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
+        or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
+                         "free some space or pass a --log-path on a disk with room")
+        self._made_folders = [self.path, *self.path.parents]  # those missing now, leaf first
+        self._made_folders = self._made_folders[:next(i for i, d in enumerate(self._made_folders) if d.exists())]
+        try:
+            self._lock_fd, previous = acquire_lock(self.path)
+        except FolderBusy as busy:
+            alive = holder_alive(busy.holder)
+            elsewhere = " (that pid is not running here: the lock is held from another machine or container)"
+            how = f"wait for it to end (or stop it: kill {busy.holder['pid']})" if alive else "wait for it to end"
+            raise DataError(f"{self.path} is being written by {busy}{elsewhere if alive is False else ''}; one run "
+                            f"folder takes one writer at a time: {how}, then run this command again, or pass "
+                            "another --log-path") from None
+        if previous.get("pid"):
+            say(f"note: {self.path / '.lock'} was left by {previous.get('script') or 'a script'} (pid "
+                f"{previous['pid']} on host {previous.get('host')}, since {previous.get('started')}), which ended "
+                "without releasing it (killed?); this run takes the folder over")
+        return self
+
+    def unlock(self) -> None:
+        """Release LOG/.lock; folders this run created and left empty are removed (a refused run leaves nothing)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        release_lock(fd, self.path)
+        for folder in self._made_folders:  # leaf first, each only when empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+    def __enter__(self) -> Run:
+        return self if self._lock_fd is not None else self.lock()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Release the lock; a runtime failure of a run this process began says where the record stands and
+        the command that continues it (the SDK's own errors do not)."""
+        self.unlock()
+        if (not isinstance(exc, Exception) or isinstance(exc, (DataError, BudgetError)) or not self.began
+                or "--resume" in str(exc) or any(r.get("name") == "final" for r in self.checkpoints())):
+            return
+        text = f"{exc if isinstance(exc, ScriptError) else f'{type(exc).__name__}: {one_line(exc)}'}; {self.resume_hint()}"
+        try:  # the same exit code (a lost service stays 4)
+            failure = type(exc)(text) if isinstance(exc, ScriptError) else ScriptError(text)
+        except TypeError:
+            failure = ScriptError(text)
+        raise failure from exc
+
+    def resume_hint(self) -> str:
+        """What to run after a failure: --resume from the last checkpoint, or the same command if there is none."""
+        rows = self.checkpoints()
+        if rows:
+            return (f"the run record in {self.path} is saved up to its last checkpoint ({rows[-1].get('name')}, "
+                    "step " f"{rows[-1].get('step')}): continue with the same command plus --resume")
+        return (f"no checkpoint was saved in {self.path} yet: run the same command again with --overwrite "
+                "(--resume has nothing to continue from)")
 
     def file(self, name) -> Path:
         return self.path / name
@@ -60,7 +129,7 @@ class Run:
         if not path.exists():
             return []
         rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for _, line in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -129,6 +198,7 @@ class Run:
             if not rows:
                 raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
                                 "without --resume (add --overwrite to replace what is there)")
+            self.began = not dry_run
             return rows[-1]
         if self.holds_run() and not overwrite and not dry_run:
             raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
@@ -157,6 +227,7 @@ class Run:
     def begin(self, config: dict) -> None:
         """A new run: the folder's old record removed, config.json written. Call after every check."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.began = True
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
         self.write_json("config.json", {**config, **cookbook_config_fields(config)})

@@ -2,10 +2,14 @@
 and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -14,6 +18,80 @@ from errors import AccessError, BudgetError, DataError, local_hint, say  # splic
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
+# A training run whose service refuses TCP connections for this long stops with exit 4, its record saved for
+# --resume: the SDK alone retries a lost result forever. TINKER_UNREACHABLE_S changes it (the tests use 3).
+UNREACHABLE_S = 600.0
+
+
+class ServiceLost(AccessError):
+    """The service stopped answering for longer than TINKER_UNREACHABLE_S (raised in the main thread)."""
+
+
+_WATCH = {"active": False, "stop": None, "thread": None, "lost": None}
+
+
+def _on_service_lost(signum, frame):
+    if _WATCH["active"] and _WATCH["lost"]:
+        raise ServiceLost(_WATCH["lost"])
+
+
+@contextlib.contextmanager
+def watch_service():
+    """The span of a training run in which a lost service ends it: once connect() has reached Tinker, a
+    daemon thread opens one TCP connection to it every few seconds, and after TINKER_UNREACHABLE_S (default
+    UNREACHABLE_S) without one the main thread gets ServiceLost (exit 4) wherever it waits. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGUSR1, _on_service_lost)
+    _WATCH.update(active=True, stop=threading.Event(), thread=None, lost=None)
+    try:
+        yield
+    finally:
+        _WATCH["stop"].set()
+        _WATCH.update(active=False, thread=None)
+
+
+def unreachable_limit() -> float:
+    try:
+        value = float(os.environ.get("TINKER_UNREACHABLE_S") or UNREACHABLE_S)
+    except ValueError:
+        raise DataError(f"TINKER_UNREACHABLE_S={os.environ['TINKER_UNREACHABLE_S']!r}: expected seconds, e.g. "
+                        "600") from None
+    return value if value > 0 else UNREACHABLE_S
+
+
+def _start_watch(url: str) -> None:
+    """Called by connect() once the service answered; nothing outside watch_service()."""
+    import urllib.request
+
+    parts = urlsplit(url)
+    if not _WATCH["active"] or _WATCH["thread"] is not None or not parts.hostname:
+        return
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(parts.hostname):
+        return  # through an HTTP proxy a TCP connection proves nothing
+    address = (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    limit, stop = unreachable_limit(), _WATCH["stop"]
+    _WATCH["thread"] = threading.Thread(target=_watch, args=(url, address, limit, stop), daemon=True,
+                                        name="tinker-service-watch")
+    _WATCH["thread"].start()
+
+
+def _watch(url, address, limit, stop):
+    interval = min(10.0, max(0.2, limit / 6))
+    answered = time.monotonic()
+    while not stop.wait(interval):
+        try:
+            socket.create_connection(address, timeout=min(interval, REACH_TIMEOUT_S)).close()
+            answered = time.monotonic()
+        except OSError:
+            if time.monotonic() - answered >= limit and not stop.is_set():
+                _WATCH["lost"] = (f"lost Tinker at {url}: no TCP connection for {limit:g} s (TINKER_UNREACHABLE_S "
+                                  "sets how long a run waits)")
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+
+
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -86,6 +164,7 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     check_reachable()
     import tinker
 
+    _start_watch(service_url())
     if model_name is None:
         return tinker.ServiceClient(), None
     try:

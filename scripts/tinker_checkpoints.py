@@ -572,7 +572,7 @@ def peft_embedding_layout(state: dict, model, torch) -> dict:
     return converted
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, render, run_record, service, checkpoints) ====
+# ==== SHARED CODE (generated from common/: errors, flags, render, run_files, run_record, service, checkpoints) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
@@ -602,6 +602,10 @@ class DataError(ScriptError):
     """Bad input or usage: data, flags, paths, unknown model, context overflow."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
 
 
 class AccessError(ScriptError):
@@ -732,6 +736,7 @@ class Parser(argparse.ArgumentParser):
 # Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
 import math
 import os
+import shutil
 from pathlib import Path
 
 
@@ -775,6 +780,21 @@ def check_writable_dir(path, what: str) -> Path:
     return p
 
 
+def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
+    """DataError when the disk that holds `path` (or its nearest existing parent) has less than need_bytes
+    free: checked before any paid call, so a full disk never stops a run midway."""
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return  # cannot tell: the write itself will say
+    if free < need_bytes:
+        raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
+                        f"{free / 2**20:,.0f} MiB are free; {fix}")
+
+
 # ---- common/render.py ----
 # Tokenizer loading, the run record's "format", and rendering through the model's own chat template.
 #
@@ -790,6 +810,142 @@ def tokenizer_record(name_or_path: str) -> str:
     return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
 
+# ---- common/run_files.py ----
+# A run folder's files at the lowest level, carried by every script that reads or writes one (the report
+# tool too): JSONL lines as editors save them, and the one-writer lock.
+#
+# The lock: an exclusive advisory POSIX record lock (lockf) on LOG/.lock, held for the writer's whole life.
+# The kernel drops it when its process ends, however it ends (SIGKILL too), and forked workers (the render
+# pool) do not inherit it. The file says who holds it (pid, host, script, start time) for the error a second
+# writer prints and for readers (tinker_report.py), which never take the lock: they test it for an instant.
+# A record left by a process that died holding the lock is taken over by the next writer, which says so.
+# Within one process a POSIX lock never conflicts with itself and closing any descriptor of the file drops
+# it: only the lock's own code opens LOG/.lock.
+import errno
+import json
+import os
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the scripts run, unguarded
+    fcntl = None
+
+LOCK_FILE = ".lock"
+# A reader tests the lock for microseconds and a writer records itself right after taking it: a refused
+# writer that finds no live holder named in the file tries again for this long before giving up.
+SETTLE_S = 2.0
+
+
+def jsonl_lines(text: str):
+    """(line number, line) of each non-blank line of JSONL text: a UTF-8 byte-order mark (Windows editors,
+    also where files were concatenated) and CRLF endings are accepted, as pandas and datasets accept them;
+    only a newline ends a line (U+2028 and other characters str.splitlines() splits on are valid inside a
+    JSON string)."""
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.strip().lstrip("\ufeff")
+        if line:
+            yield n, line
+
+
+class FolderBusy(Exception):
+    """A live process holds the folder's lock; `holder` is its record ({} when unreadable)."""
+
+    def __init__(self, holder: dict):
+        super().__init__(describe_holder(holder))
+        self.holder = holder
+
+
+def describe_holder(holder: dict) -> str:
+    if not holder.get("pid"):
+        return "another process (it has not recorded itself yet)"
+    return (f"{holder.get('script') or 'a script'} (pid {holder['pid']} on host {holder.get('host')}, "
+            f"since {holder.get('started')})")
+
+
+def read_holder(fd) -> dict:
+    try:
+        data = os.pread(fd, 65536, 0)
+        record = json.loads(data.decode("utf-8")) if data.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def holder_alive(holder: dict) -> bool | None:
+    """Whether the recorded process still runs: True/False on this host, None for another host."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _same_file(fd, path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def acquire_lock(folder) -> tuple[int | None, dict]:
+    """(descriptor holding FOLDER/.lock, the record of a dead holder taken over or {}). Creates the folder.
+    FolderBusy when a live process holds it. Release with release_lock(fd, folder)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        return None, {}
+    path = folder / LOCK_FILE
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
+            holder = read_holder(fd)
+            os.close(fd)
+            if holder_alive(holder) or time.monotonic() > deadline:
+                raise FolderBusy(holder) from None
+            time.sleep(0.05)
+            continue
+        if not _same_file(fd, path):  # released and removed between our open and lock: lock the new file
+            os.close(fd)
+            continue
+        previous = read_holder(fd)
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else None,
+                  "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        return fd, previous
+
+
+def release_lock(fd, folder) -> None:
+    """Remove FOLDER/.lock (if it is still ours) and drop the lock."""
+    if fd is None:
+        return
+    path = Path(folder) / LOCK_FILE
+    try:
+        if _same_file(fd, path):
+            path.unlink()
+    except OSError:
+        pass
+    os.close(fd)
+
+
 # ---- common/run_record.py ----
 # The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
 #
@@ -803,6 +959,9 @@ from pathlib import Path
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+# Free space a run folder needs before the first paid call: a row is small, but a full disk would stop the
+# run midway, after it was paid for. A floor, not an estimate (RL's rollout trace grows with --trace-every).
+RECORD_MIN_FREE = 64 * 2**20
 
 # Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
 # cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
@@ -838,6 +997,69 @@ class Run:
     def __init__(self, path, extra_files=()):
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
+        self._lock_fd, self._made_folders = None, []
+        self.began = False  # this process started or resumed the record (begin(), or resume_point() with a row)
+
+    def lock(self) -> Run:
+        """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
+        the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
+        or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
+                         "free some space or pass a --log-path on a disk with room")
+        self._made_folders = [self.path, *self.path.parents]  # those missing now, leaf first
+        self._made_folders = self._made_folders[:next(i for i, d in enumerate(self._made_folders) if d.exists())]
+        try:
+            self._lock_fd, previous = acquire_lock(self.path)
+        except FolderBusy as busy:
+            alive = holder_alive(busy.holder)
+            elsewhere = " (that pid is not running here: the lock is held from another machine or container)"
+            how = f"wait for it to end (or stop it: kill {busy.holder['pid']})" if alive else "wait for it to end"
+            raise DataError(f"{self.path} is being written by {busy}{elsewhere if alive is False else ''}; one run "
+                            f"folder takes one writer at a time: {how}, then run this command again, or pass "
+                            "another --log-path") from None
+        if previous.get("pid"):
+            say(f"note: {self.path / '.lock'} was left by {previous.get('script') or 'a script'} (pid "
+                f"{previous['pid']} on host {previous.get('host')}, since {previous.get('started')}), which ended "
+                "without releasing it (killed?); this run takes the folder over")
+        return self
+
+    def unlock(self) -> None:
+        """Release LOG/.lock; folders this run created and left empty are removed (a refused run leaves nothing)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        release_lock(fd, self.path)
+        for folder in self._made_folders:  # leaf first, each only when empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+    def __enter__(self) -> Run:
+        return self if self._lock_fd is not None else self.lock()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Release the lock; a runtime failure of a run this process began says where the record stands and
+        the command that continues it (the SDK's own errors do not)."""
+        self.unlock()
+        if (not isinstance(exc, Exception) or isinstance(exc, (DataError, BudgetError)) or not self.began
+                or "--resume" in str(exc) or any(r.get("name") == "final" for r in self.checkpoints())):
+            return
+        text = f"{exc if isinstance(exc, ScriptError) else f'{type(exc).__name__}: {one_line(exc)}'}; {self.resume_hint()}"
+        try:  # the same exit code (a lost service stays 4)
+            failure = type(exc)(text) if isinstance(exc, ScriptError) else ScriptError(text)
+        except TypeError:
+            failure = ScriptError(text)
+        raise failure from exc
+
+    def resume_hint(self) -> str:
+        """What to run after a failure: --resume from the last checkpoint, or the same command if there is none."""
+        rows = self.checkpoints()
+        if rows:
+            return (f"the run record in {self.path} is saved up to its last checkpoint ({rows[-1].get('name')}, "
+                    "step " f"{rows[-1].get('step')}): continue with the same command plus --resume")
+        return (f"no checkpoint was saved in {self.path} yet: run the same command again with --overwrite "
+                "(--resume has nothing to continue from)")
 
     def file(self, name) -> Path:
         return self.path / name
@@ -848,7 +1070,7 @@ class Run:
         if not path.exists():
             return []
         rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for _, line in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -917,6 +1139,7 @@ class Run:
             if not rows:
                 raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
                                 "without --resume (add --overwrite to replace what is there)")
+            self.began = not dry_run
             return rows[-1]
         if self.holds_run() and not overwrite and not dry_run:
             raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
@@ -945,6 +1168,7 @@ class Run:
     def begin(self, config: dict) -> None:
         """A new run: the folder's old record removed, config.json written. Call after every check."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.began = True
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
         self.write_json("config.json", {**config, **cookbook_config_fields(config)})
@@ -1000,6 +1224,8 @@ from urllib.parse import urlsplit
 
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
+
+
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -1161,7 +1387,7 @@ def server_message(response) -> str:
             err = err.get("message", err)
         return str(err)[:300]
     return str(body)[:300]
-# ==== END SHARED CODE (sha256 3cc9a11e40c5) ====
+# ==== END SHARED CODE (sha256 8825dc0bfd8a) ====
 
 
 if __name__ == "__main__":

@@ -134,7 +134,15 @@ def main(argv=None) -> int:
     if args.init_from:
         check_tinker_path(args.init_from, "weights")
     check_writable_dir(args.log_path, "--log-path")
-    run = Run(args.log_path, extra_files=(REFS_FILE, "datums.jsonl"))
+    check_torch(args.dry_run)
+    # `run` holds the folder's lock until the end: a second script on the same --log-path stops with exit 2
+    # before it reads, deletes or writes anything. watch_service(): a service lost for TINKER_UNREACHABLE_S
+    # ends the run with exit 4, not a hang.
+    with Run(args.log_path, extra_files=(REFS_FILE, "datums.jsonl")) as run, watch_service():
+        return train_run(args, run)
+
+
+def train_run(args, run) -> int:
     resume_from = run.resume_point(resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
 
     tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
@@ -225,6 +233,21 @@ def main(argv=None) -> int:
           "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
           "tokens": tokens, "cost": est, "format": fmt})
     return EXIT_OK
+
+
+def check_torch(dry_run):
+    """torch computes the DPO loss here (forward_backward_custom): checked before any Tinker call, so a
+    missing install never costs the reference pass. A dry run only warns (it needs no torch)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        fix = ("pip install torch (on a machine without a GPU the CPU build: pip install torch --index-url "
+               "https://download.pytorch.org/whl/cpu), or run with uv run tinker_dpo.py, whose header installs it")
+        if dry_run:
+            say(f"warning: torch is not importable ({e}); the real run needs it: {fix}")
+            return
+        raise DataError(f"torch is not importable ({e}); tinker_dpo.py computes the DPO loss with it on this "
+                        f"machine (forward_backward_custom), before any paid call: {fix}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +502,7 @@ def save(tc, run, name, done, per_epoch, fmt, *, final):
     return state_path, sampler_path
 
 
-# ==== SHARED CODE (generated from common/: errors, data, flags, render, run_record, service, training) ====
+# ==== SHARED CODE (generated from common/: errors, flags, render, run_files, data, run_record, service, training) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
@@ -619,131 +642,11 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     return code
 
 
-# ---- common/data.py ----
-# Reading and validating conversation data (JSONL of {"messages"} or {"prompt", "completion"}).
-import json
-from pathlib import Path
-
-
-def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
-    """(line number, object) for each non-blank line; bad bytes or bad JSON is a DataError naming the line."""
-    if not path:
-        raise DataError(f"no data: pass {what} FILE.jsonl (or edit the EDIT ME loader)")
-    try:
-        raw = Path(path).read_bytes()
-    except IsADirectoryError:
-        raise DataError(f"{what} {path} is a folder; expected a JSONL file") from None
-    except OSError as e:
-        raise DataError(f"cannot read {what} {path}: {e.strerror}; expected a JSONL file") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
-                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-    rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
-    if not rows:
-        raise DataError(f"{path} has no examples; expected one JSON object per line")
-    return rows
-
-
-ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-def validate_messages(msgs, where: str, *, need_assistant: bool = True) -> list[dict]:
-    """A checked copy of a conversation, or DataError naming the message and what is wrong."""
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m:
-            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
-        role = m["role"]
-        if role not in ROLES:
-            raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
-        reasoning = m.get("reasoning_content")
-        if reasoning is not None and not isinstance(reasoning, str):
-            raise DataError(f"{where}: message {i} reasoning_content must be a string")
-        calls = m.get("tool_calls")
-        if calls is not None and (not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
-            raise DataError(f"{where}: message {i} tool_calls must be a list of "
-                            "{'type': 'function', 'function': {'name', 'arguments'}} objects")
-        if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
-            raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
-        clean.append(dict(m))
-    check_role_order(clean, where, need_assistant=need_assistant)
-    return clean
-
-
-def validate_example(obj, line_no) -> dict:
-    """A checked copy of one example ({"messages"} or {"prompt", "completion"}) plus "line"; else DataError."""
-    where = f"line {line_no}"
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'completion', "
-                        f"got {type(obj).__name__}")
-    if "messages" in obj:
-        clean = validate_messages(obj["messages"], where)
-        tools = obj.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise DataError(f"{where}: 'tools' must be a list of JSON-schema tool objects")
-        return {"messages": clean, "line": line_no, **({"tools": tools} if tools else {})}
-    if "prompt" in obj or "completion" in obj:
-        prompt, completion = obj.get("prompt"), obj.get("completion")
-        if not isinstance(prompt, str) or not isinstance(completion, str):
-            raise DataError(f"{where}: 'prompt' and 'completion' must both be strings")
-        if not completion.strip():
-            raise DataError(f"{where}: empty completion; nothing to train on")
-        return {"prompt": prompt, "completion": completion, "line": line_no}
-    raise DataError(f"{where}: expected a 'messages' list or 'prompt'/'completion' strings, got keys {sorted(obj)}")
-
-
-def check_role_order(msgs, where, *, need_assistant=True):
-    roles = [m["role"] for m in msgs]
-    if need_assistant and "assistant" not in roles:
-        raise DataError(f"{where}: conversation has no assistant turn; add a {{'role': 'assistant'}} message to train on")
-    prev = None
-    for i, role in enumerate(roles):
-        bad = None
-        if role in ("system", "developer") and any(r not in ("system", "developer") for r in roles[:i]):
-            bad = f"a {role} message may only open the conversation"
-        elif role == "assistant" and prev not in ("user", "tool"):
-            bad = "an assistant message must follow a user (or tool) message"
-        elif role == "tool" and prev not in ("assistant", "tool"):
-            bad = "a tool message must follow an assistant message"
-        elif role == "user" and prev == "user":
-            bad = "two user messages in a row"
-        if bad:
-            raise DataError(f"{where}: roles out of order at message {i} ({' -> '.join(roles)}): {bad}")
-        prev = role
-
-
-def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
-    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, tuple) and len(item) == 2:
-            where, obj = item
-        else:
-            where, obj = i + 1, item
-        out.append(validate(obj, where if source is None else f"{where} of {source}"))
-    return out
-
-
 # ---- common/flags.py ----
 # Flag checks shared by the dry run and the real run: run before any file changes or any paid call.
 import math
 import os
+import shutil
 from pathlib import Path
 
 
@@ -785,6 +688,21 @@ def check_writable_dir(path, what: str) -> Path:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise DataError(f"{what} {path}: {probe} is not writable (permissions)")
     return p
+
+
+def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
+    """DataError when the disk that holds `path` (or its nearest existing parent) has less than need_bytes
+    free: checked before any paid call, so a full disk never stops a run midway."""
+    probe = Path(path).expanduser()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return  # cannot tell: the write itself will say
+    if free < need_bytes:
+        raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
+                        f"{free / 2**20:,.0f} MiB are free; {fix}")
 
 
 # ---- common/render.py ----
@@ -1157,6 +1075,261 @@ def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) 
     return raw_format(tokenizer, name=tokenizer_name)
 
 
+# ---- common/run_files.py ----
+# A run folder's files at the lowest level, carried by every script that reads or writes one (the report
+# tool too): JSONL lines as editors save them, and the one-writer lock.
+#
+# The lock: an exclusive advisory POSIX record lock (lockf) on LOG/.lock, held for the writer's whole life.
+# The kernel drops it when its process ends, however it ends (SIGKILL too), and forked workers (the render
+# pool) do not inherit it. The file says who holds it (pid, host, script, start time) for the error a second
+# writer prints and for readers (tinker_report.py), which never take the lock: they test it for an instant.
+# A record left by a process that died holding the lock is taken over by the next writer, which says so.
+# Within one process a POSIX lock never conflicts with itself and closing any descriptor of the file drops
+# it: only the lock's own code opens LOG/.lock.
+import errno
+import json
+import os
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the scripts run, unguarded
+    fcntl = None
+
+LOCK_FILE = ".lock"
+# A reader tests the lock for microseconds and a writer records itself right after taking it: a refused
+# writer that finds no live holder named in the file tries again for this long before giving up.
+SETTLE_S = 2.0
+
+
+def jsonl_lines(text: str):
+    """(line number, line) of each non-blank line of JSONL text: a UTF-8 byte-order mark (Windows editors,
+    also where files were concatenated) and CRLF endings are accepted, as pandas and datasets accept them;
+    only a newline ends a line (U+2028 and other characters str.splitlines() splits on are valid inside a
+    JSON string)."""
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.strip().lstrip("\ufeff")
+        if line:
+            yield n, line
+
+
+class FolderBusy(Exception):
+    """A live process holds the folder's lock; `holder` is its record ({} when unreadable)."""
+
+    def __init__(self, holder: dict):
+        super().__init__(describe_holder(holder))
+        self.holder = holder
+
+
+def describe_holder(holder: dict) -> str:
+    if not holder.get("pid"):
+        return "another process (it has not recorded itself yet)"
+    return (f"{holder.get('script') or 'a script'} (pid {holder['pid']} on host {holder.get('host')}, "
+            f"since {holder.get('started')})")
+
+
+def read_holder(fd) -> dict:
+    try:
+        data = os.pread(fd, 65536, 0)
+        record = json.loads(data.decode("utf-8")) if data.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def holder_alive(holder: dict) -> bool | None:
+    """Whether the recorded process still runs: True/False on this host, None for another host."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _same_file(fd, path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def acquire_lock(folder) -> tuple[int | None, dict]:
+    """(descriptor holding FOLDER/.lock, the record of a dead holder taken over or {}). Creates the folder.
+    FolderBusy when a live process holds it. Release with release_lock(fd, folder)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        return None, {}
+    path = folder / LOCK_FILE
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                raise
+            holder = read_holder(fd)
+            os.close(fd)
+            if holder_alive(holder) or time.monotonic() > deadline:
+                raise FolderBusy(holder) from None
+            time.sleep(0.05)
+            continue
+        if not _same_file(fd, path):  # released and removed between our open and lock: lock the new file
+            os.close(fd)
+            continue
+        previous = read_holder(fd)
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "script": Path(sys.argv[0]).name if sys.argv and sys.argv[0] else None,
+                  "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        return fd, previous
+
+
+def release_lock(fd, folder) -> None:
+    """Remove FOLDER/.lock (if it is still ours) and drop the lock."""
+    if fd is None:
+        return
+    path = Path(folder) / LOCK_FILE
+    try:
+        if _same_file(fd, path):
+            path.unlink()
+    except OSError:
+        pass
+    os.close(fd)
+
+
+# ---- common/data.py ----
+# Reading and validating conversation data (JSONL of {"messages"} or {"prompt", "completion"}).
+import json
+from pathlib import Path
+
+
+def read_jsonl(path, what: str = "--data") -> list[tuple[int, object]]:
+    """(line number, object) for each non-blank line; bad bytes or bad JSON is a DataError naming the line."""
+    if not path:
+        raise DataError(f"no data: pass {what} FILE.jsonl (or edit the EDIT ME loader)")
+    try:
+        raw = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise DataError(f"{what} {path} is a folder; expected a JSONL file") from None
+    except OSError as e:
+        raise DataError(f"cannot read {what} {path}: {e.strerror}; expected a JSONL file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path} line {line} (byte {e.start}): not UTF-8 ({e.reason}); re-save the file as "
+                        "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    rows = []
+    for n, line in jsonl_lines(text):  # a byte-order mark and CRLF endings are fine
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {n}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not rows:
+        raise DataError(f"{path} has no examples; expected one JSON object per line")
+    return rows
+
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def validate_messages(msgs, where: str, *, need_assistant: bool = True) -> list[dict]:
+    """A checked copy of a conversation, or DataError naming the message and what is wrong."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        role = m["role"]
+        if role not in ROLES:
+            raise DataError(f"{where}: message {i} has unknown role {role!r}; expected one of {sorted(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: message {i} ({role}) content must be a string, got {type(content).__name__}")
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(f"{where}: message {i} reasoning_content must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function", {}).get("name"), str) for c in calls)):
+            raise DataError(f"{where}: message {i} tool_calls must be a list of "
+                            "{'type': 'function', 'function': {'name', 'arguments'}} objects")
+        if role == "assistant" and not content.strip() and not (reasoning or "").strip() and not calls:
+            raise DataError(f"{where}: message {i} (assistant) has empty content; nothing to train on")
+        clean.append(dict(m))
+    check_role_order(clean, where, need_assistant=need_assistant)
+    return clean
+
+
+def validate_example(obj, line_no) -> dict:
+    """A checked copy of one example ({"messages"} or {"prompt", "completion"}) plus "line"; else DataError."""
+    where = f"line {line_no}"
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object with 'messages' or 'prompt'/'completion', "
+                        f"got {type(obj).__name__}")
+    if "messages" in obj:
+        clean = validate_messages(obj["messages"], where)
+        tools = obj.get("tools")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise DataError(f"{where}: 'tools' must be a list of JSON-schema tool objects")
+        return {"messages": clean, "line": line_no, **({"tools": tools} if tools else {})}
+    if "prompt" in obj or "completion" in obj:
+        prompt, completion = obj.get("prompt"), obj.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise DataError(f"{where}: 'prompt' and 'completion' must both be strings")
+        if not completion.strip():
+            raise DataError(f"{where}: empty completion; nothing to train on")
+        return {"prompt": prompt, "completion": completion, "line": line_no}
+    raise DataError(f"{where}: expected a 'messages' list or 'prompt'/'completion' strings, got keys {sorted(obj)}")
+
+
+def check_role_order(msgs, where, *, need_assistant=True):
+    roles = [m["role"] for m in msgs]
+    if need_assistant and "assistant" not in roles:
+        raise DataError(f"{where}: conversation has no assistant turn; add a {{'role': 'assistant'}} message to train on")
+    prev = None
+    for i, role in enumerate(roles):
+        bad = None
+        if role in ("system", "developer") and any(r not in ("system", "developer") for r in roles[:i]):
+            bad = f"a {role} message may only open the conversation"
+        elif role == "assistant" and prev not in ("user", "tool"):
+            bad = "an assistant message must follow a user (or tool) message"
+        elif role == "tool" and prev not in ("assistant", "tool"):
+            bad = "a tool message must follow an assistant message"
+        elif role == "user" and prev == "user":
+            bad = "two user messages in a row"
+        if bad:
+            raise DataError(f"{where}: roles out of order at message {i} ({' -> '.join(roles)}): {bad}")
+        prev = role
+
+
+def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple) and len(item) == 2:
+            where, obj = item
+        else:
+            where, obj = i + 1, item
+        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+    return out
+
+
 # ---- common/run_record.py ----
 # The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
 #
@@ -1170,6 +1343,9 @@ from pathlib import Path
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints.jsonl", "eval.jsonl")
+# Free space a run folder needs before the first paid call: a row is small, but a full disk would stop the
+# run midway, after it was paid for. A floor, not an estimate (RL's rollout trace grows with --trace-every).
+RECORD_MIN_FREE = 64 * 2**20
 
 # Our metric names -> the tinker-cookbook's, written side by side in metrics.jsonl so tools built for the
 # cookbook's records (tinkerscope, dashboards) read our runs too (references/run-records.md). Only names
@@ -1205,6 +1381,69 @@ class Run:
     def __init__(self, path, extra_files=()):
         self.path = Path(path)
         self.files = RUN_FILES + tuple(extra_files)
+        self._lock_fd, self._made_folders = None, []
+        self.began = False  # this process started or resumed the record (begin(), or resume_point() with a row)
+
+    def lock(self) -> Run:
+        """Hold LOG/.lock until unlock() (a `with` block): one writer per run folder. Taken before anything in
+        the folder is read for a decision, deleted or written; a second script on the folder (plain, --resume
+        or --overwrite) stops here with exit 2 naming the holder. A lock left by a killed run is taken over."""
+        check_free_space(self.path, RECORD_MIN_FREE, "the run record (--log-path)",
+                         "free some space or pass a --log-path on a disk with room")
+        self._made_folders = [self.path, *self.path.parents]  # those missing now, leaf first
+        self._made_folders = self._made_folders[:next(i for i, d in enumerate(self._made_folders) if d.exists())]
+        try:
+            self._lock_fd, previous = acquire_lock(self.path)
+        except FolderBusy as busy:
+            alive = holder_alive(busy.holder)
+            elsewhere = " (that pid is not running here: the lock is held from another machine or container)"
+            how = f"wait for it to end (or stop it: kill {busy.holder['pid']})" if alive else "wait for it to end"
+            raise DataError(f"{self.path} is being written by {busy}{elsewhere if alive is False else ''}; one run "
+                            f"folder takes one writer at a time: {how}, then run this command again, or pass "
+                            "another --log-path") from None
+        if previous.get("pid"):
+            say(f"note: {self.path / '.lock'} was left by {previous.get('script') or 'a script'} (pid "
+                f"{previous['pid']} on host {previous.get('host')}, since {previous.get('started')}), which ended "
+                "without releasing it (killed?); this run takes the folder over")
+        return self
+
+    def unlock(self) -> None:
+        """Release LOG/.lock; folders this run created and left empty are removed (a refused run leaves nothing)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        release_lock(fd, self.path)
+        for folder in self._made_folders:  # leaf first, each only when empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+    def __enter__(self) -> Run:
+        return self if self._lock_fd is not None else self.lock()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Release the lock; a runtime failure of a run this process began says where the record stands and
+        the command that continues it (the SDK's own errors do not)."""
+        self.unlock()
+        if (not isinstance(exc, Exception) or isinstance(exc, (DataError, BudgetError)) or not self.began
+                or "--resume" in str(exc) or any(r.get("name") == "final" for r in self.checkpoints())):
+            return
+        text = f"{exc if isinstance(exc, ScriptError) else f'{type(exc).__name__}: {one_line(exc)}'}; {self.resume_hint()}"
+        try:  # the same exit code (a lost service stays 4)
+            failure = type(exc)(text) if isinstance(exc, ScriptError) else ScriptError(text)
+        except TypeError:
+            failure = ScriptError(text)
+        raise failure from exc
+
+    def resume_hint(self) -> str:
+        """What to run after a failure: --resume from the last checkpoint, or the same command if there is none."""
+        rows = self.checkpoints()
+        if rows:
+            return (f"the run record in {self.path} is saved up to its last checkpoint ({rows[-1].get('name')}, "
+                    "step " f"{rows[-1].get('step')}): continue with the same command plus --resume")
+        return (f"no checkpoint was saved in {self.path} yet: run the same command again with --overwrite "
+                "(--resume has nothing to continue from)")
 
     def file(self, name) -> Path:
         return self.path / name
@@ -1215,7 +1454,7 @@ class Run:
         if not path.exists():
             return []
         rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for _, line in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
@@ -1284,6 +1523,7 @@ class Run:
             if not rows:
                 raise DataError(f"--resume: no checkpoint in {self.file('checkpoints.jsonl')}; start a new run "
                                 "without --resume (add --overwrite to replace what is there)")
+            self.began = not dry_run
             return rows[-1]
         if self.holds_run() and not overwrite and not dry_run:
             raise DataError(f"{self.path} already holds a run; pass --resume to continue it or --overwrite to "
@@ -1312,6 +1552,7 @@ class Run:
     def begin(self, config: dict) -> None:
         """A new run: the folder's old record removed, config.json written. Call after every check."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.began = True
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
         self.write_json("config.json", {**config, **cookbook_config_fields(config)})
@@ -1360,10 +1601,14 @@ def cookbook_config_fields(config: dict) -> dict:
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
+import contextlib
 import importlib
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -1371,6 +1616,80 @@ from urllib.parse import urlsplit
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
 CAPABILITIES_TIMEOUT_S = 60.0  # once the TCP check passed, a server that never answers still ends
+# A training run whose service refuses TCP connections for this long stops with exit 4, its record saved for
+# --resume: the SDK alone retries a lost result forever. TINKER_UNREACHABLE_S changes it (the tests use 3).
+UNREACHABLE_S = 600.0
+
+
+class ServiceLost(AccessError):
+    """The service stopped answering for longer than TINKER_UNREACHABLE_S (raised in the main thread)."""
+
+
+_WATCH = {"active": False, "stop": None, "thread": None, "lost": None}
+
+
+def _on_service_lost(signum, frame):
+    if _WATCH["active"] and _WATCH["lost"]:
+        raise ServiceLost(_WATCH["lost"])
+
+
+@contextlib.contextmanager
+def watch_service():
+    """The span of a training run in which a lost service ends it: once connect() has reached Tinker, a
+    daemon thread opens one TCP connection to it every few seconds, and after TINKER_UNREACHABLE_S (default
+    UNREACHABLE_S) without one the main thread gets ServiceLost (exit 4) wherever it waits. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGUSR1, _on_service_lost)
+    _WATCH.update(active=True, stop=threading.Event(), thread=None, lost=None)
+    try:
+        yield
+    finally:
+        _WATCH["stop"].set()
+        _WATCH.update(active=False, thread=None)
+
+
+def unreachable_limit() -> float:
+    try:
+        value = float(os.environ.get("TINKER_UNREACHABLE_S") or UNREACHABLE_S)
+    except ValueError:
+        raise DataError(f"TINKER_UNREACHABLE_S={os.environ['TINKER_UNREACHABLE_S']!r}: expected seconds, e.g. "
+                        "600") from None
+    return value if value > 0 else UNREACHABLE_S
+
+
+def _start_watch(url: str) -> None:
+    """Called by connect() once the service answered; nothing outside watch_service()."""
+    import urllib.request
+
+    parts = urlsplit(url)
+    if not _WATCH["active"] or _WATCH["thread"] is not None or not parts.hostname:
+        return
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(parts.hostname):
+        return  # through an HTTP proxy a TCP connection proves nothing
+    address = (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+    limit, stop = unreachable_limit(), _WATCH["stop"]
+    _WATCH["thread"] = threading.Thread(target=_watch, args=(url, address, limit, stop), daemon=True,
+                                        name="tinker-service-watch")
+    _WATCH["thread"].start()
+
+
+def _watch(url, address, limit, stop):
+    interval = min(10.0, max(0.2, limit / 6))
+    answered = time.monotonic()
+    while not stop.wait(interval):
+        try:
+            socket.create_connection(address, timeout=min(interval, REACH_TIMEOUT_S)).close()
+            answered = time.monotonic()
+        except OSError:
+            if time.monotonic() - answered >= limit and not stop.is_set():
+                _WATCH["lost"] = (f"lost Tinker at {url}: no TCP connection for {limit:g} s (TINKER_UNREACHABLE_S "
+                                  "sets how long a run waits)")
+                os.kill(os.getpid(), signal.SIGUSR1)
+                return
+
+
 def service_url() -> str:
     """Where the SDK will send requests: TINKER_BASE_URL, else hosted Tinker (as the SDK resolves it)."""
     return (os.environ.get("TINKER_BASE_URL") or HOSTED_BASE_URL).rstrip("/")
@@ -1443,6 +1762,7 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     check_reachable()
     import tinker
 
+    _start_watch(service_url())
     if model_name is None:
         return tinker.ServiceClient(), None
     try:
@@ -1644,7 +1964,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 35c1e14478db) ====
+# ==== END SHARED CODE (sha256 545cc074d7ff) ====
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      sampler_path_without_kind                    tinker://ID/sampler_weights/N  none known
      prompt_logprobs_without_leading_none         compute_logprobs' None first   none known
      restored_run_ids_rejected_by_checkpoint_routes  "session_..:train:N" ids    none known
+     retried_save_conflicts                       a save sent again answers once  none known
      capabilities_without_context_window          max_context_length reported    none known
   C. Keeping adapter slots isolated and available
      silent_sessions_never_expire                 sessions with no heartbeat expire   none known
@@ -211,7 +212,8 @@ def apply_api_shims(api) -> None:
     from skyrl.tinker.db_models import SessionDB
 
     for name in ("_build_uv_run_cmd_engine", "create_future", "ModelDB", "get_model", "get_session",
-                 "load_weights", "asample", "LoadWeightsRequest", "SampleRequest", "app"):
+                 "load_weights", "asample", "LoadWeightsRequest", "SampleRequest", "app", "save_weights",
+                 "save_weights_for_sampler", "SaveWeightsRequest", "SaveWeightsForSamplerRequest"):
         assert hasattr(api, name), f"skyrl.tinker.api.{name} is gone: the shims need skyrl==0.4.0"
 
     # A. engine start: skyrl re-launches its engine with `uv run ...` parsed from the
@@ -269,6 +271,30 @@ def apply_api_shims(api) -> None:
         return await api.load_weights(api.LoadWeightsRequest.model_validate(body), req, session)
 
     route("/api/v1/load_weights", load_weights_or_create, req=Request)
+
+    # B. retried saves: the SDK sends a save again, with the same seq_id, when its answer was lost (a
+    # reset, a timeout); skyrl dedups retried training requests by (model_id, seq_id) but not saves, so the
+    # retry met "checkpoint already exists" (409), which the SDK retries for minutes. Answer a retried save
+    # with its first answer, as a retried forward_backward gets.
+    first_answers: dict = {}
+
+    def once_per_seq_id(save, model):
+        async def endpoint(req, session=Depends(api.get_session)):
+            body = await req.json()  # skyrl's request models drop seq_id
+            key = (save.__name__, body.get("model_id"), body.get("seq_id"))
+            if key[2] is not None and key in first_answers:
+                return first_answers[key]
+            answer = await save(model.model_validate(body), session)
+            if key[2] is not None:
+                first_answers[key] = answer
+                while len(first_answers) > 10000:  # bounded: only recent retries matter
+                    first_answers.pop(next(iter(first_answers)))
+            return answer
+        return endpoint
+
+    route("/api/v1/save_weights", once_per_seq_id(api.save_weights, api.SaveWeightsRequest), req=Request)
+    route("/api/v1/save_weights_for_sampler",
+          once_per_seq_id(api.save_weights_for_sampler, api.SaveWeightsForSamplerRequest), req=Request)
 
     # D. gspo: skyrl's request model keeps only the loss inputs it knows, so GSPO's
     # sequence_ratio_mask never reached the engine. GSPO takes no `weights`: carry the mask in that
@@ -1647,6 +1673,7 @@ def gaps_still_open() -> dict[str, bool]:
         "prompt_logprobs_without_leading_none": "[None" not in inspect.getsource(JaxBackendImpl.sample),
         "restored_run_ids_rejected_by_checkpoint_routes": re.fullmatch(
             api.ID_PATTERN, "session_0:train:1") is None and any("{unique_id}" in p for p in paths if p),
+        "retried_save_conflicts": "seq_id" not in inspect.getsource(api.save_weights),
         "capabilities_without_context_window": "max_context_length" not in inspect.getsource(
             api.get_server_capabilities),
         "no_openai_endpoint": not any("completions" in (p or "") for p in paths),

@@ -470,8 +470,9 @@ def count_sft_tokens(path: str | os.PathLike, tokenizer, max_length: int | None 
         line = raw.count(b"\n", 0, exc.start) + 1
         raise ValueError(f"{path} line {line} (byte {exc.start}): not UTF-8 ({exc.reason}); re-save the file as "
                          "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-    for line_no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+    for line_no, line in enumerate(text.split("\n"), 1):  # a byte-order mark and CRLF endings are fine
+        line = line.strip().lstrip("\ufeff")
+        if not line:
             continue
         try:
             row = json.loads(line)

@@ -34,7 +34,8 @@ Outputs:
                           control characters in samples show as markers (newline, space, tab), the raw
                           text on hover.
     stdout                one JSON object: status, report (the file written), kind (sft|rl|dpo|distill),
-                          rows {config, metrics, eval, checkpoints, rollouts}, skipped_lines, in_progress
+                          rows {config, metrics, eval, checkpoints, rollouts}, skipped_lines, in_progress (true
+                          while a script holds the folder's lock: LOG/.lock, tested without taking it)
 
 Requires:
     plotly (nothing else: no Tinker call, no tokenizer, no network). Reads only RUN_DIR.
@@ -140,9 +141,7 @@ def read_rows(path, skipped):
     if not path.exists():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
+    for _, line in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -166,13 +165,9 @@ def read_run(run_dir):
         "dir": run_dir, "kind": run_kind(config, metrics), "config": config,
         "metrics": metrics, "eval": read_rows(run_dir / "eval.jsonl", skipped), "checkpoints": checkpoints,
         "rollouts": read_rows(run_dir / "rollouts.jsonl", skipped), "skipped_lines": skipped,
-        "in_progress": in_progress(run_dir, checkpoints),
+        # a live process holds the folder's lock (tested, never taken: reading blocks no writer)
+        "in_progress": lock_holder(run_dir) is not None, "finished": any(r.get("name") == "final" for r in checkpoints),
     }
-
-
-def in_progress(run_dir, checkpoints):
-    """True until the run's final checkpoint row is written (a killed run stays "in progress")."""
-    return not any(r.get("name") == "final" for r in checkpoints)
 
 
 def run_kind(config, metrics):
@@ -497,8 +492,10 @@ def render_page(run, watch=None):
 
     figs = figures(run)
     cfg = run["config"]
-    title = f"{KINDS[run['kind']][1]} run {run['dir'].resolve().name}"
-    status = "in progress (no final checkpoint yet)" if run["in_progress"] else "finished (final checkpoint saved)"
+    title = f"{run['kind'].upper()} run {run['dir'].resolve().name}"
+    status = ("in progress (a script holds the folder's lock and is writing it)" if run["in_progress"] else
+              "finished (final checkpoint saved)" if run["finished"] else
+              "stopped before its final checkpoint (nothing is writing it: continue with the same command plus --resume)")
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<meta http-equiv='refresh' content='{max(1, round(watch))}'>" if watch else "",
@@ -706,6 +703,216 @@ def cli(argv=None):
         print(f"error: report failed ({type(e).__name__}: {e}); rerun to retry, the run folder was not changed",
               file=sys.stderr)
         return 1
+
+
+# ==== SHARED CODE (generated from common/: errors, render, run_files, service, rollouts) ====
+# Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
+# tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
+# above uses (directly or through each other) are copied.
+
+
+# ---- common/errors.py ----
+# Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import sys
+
+# 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
+# 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
+
+
+class ScriptError(Exception):
+    """A failure explained in one line: what failed, what was expected, the next command."""
+
+    exit_code = EXIT_FAILURE
+
+
+class BudgetError(ScriptError):
+    exit_code = EXIT_OVER_BUDGET
+
+
+def say(*parts) -> None:
+    """Progress and warnings: stderr, so stdout carries only the final JSON object."""
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# ---- common/render.py ----
+# Tokenizer loading, the run record's "format", and rendering through the model's own chat template.
+#
+# The masking rule: a datum's weights are 1 exactly on what the model must produce after the generation
+# prompt (the assistant's tokens, end-of-turn token included) and 0 on everything else. Rendering is
+# deterministic: the date a template prints is frozen, so a resumed run renders the same datums.
+import contextlib
+import importlib
+
+
+@contextlib.contextmanager
+def _frozen_clock(date_iso):
+    # transformers builds strftime_now() on datetime.now() and rebuilds any callable kwarg into a
+    # string, so the only way to freeze the date a template prints is its module's clock.
+    mod = importlib.import_module("transformers.utils.chat_template_utils")
+    real = getattr(mod, "datetime", None)
+    if real is None or not date_iso:
+        yield
+        return
+
+    class FrozenDatetime(real):
+        @classmethod
+        def now(cls, tz=None):
+            return real.fromisoformat(date_iso)
+
+    mod.datetime = FrozenDatetime
+    try:
+        yield
+    finally:
+        mod.datetime = real
+
+
+# ---- common/run_files.py ----
+# A run folder's files at the lowest level, carried by every script that reads or writes one (the report
+# tool too): JSONL lines as editors save them, and the one-writer lock.
+#
+# The lock: an exclusive advisory POSIX record lock (lockf) on LOG/.lock, held for the writer's whole life.
+# The kernel drops it when its process ends, however it ends (SIGKILL too), and forked workers (the render
+# pool) do not inherit it. The file says who holds it (pid, host, script, start time) for the error a second
+# writer prints and for readers (tinker_report.py), which never take the lock: they test it for an instant.
+# A record left by a process that died holding the lock is taken over by the next writer, which says so.
+# Within one process a POSIX lock never conflicts with itself and closing any descriptor of the file drops
+# it: only the lock's own code opens LOG/.lock.
+import json
+import os
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the scripts run, unguarded
+    fcntl = None
+
+LOCK_FILE = ".lock"
+
+
+def jsonl_lines(text: str):
+    """(line number, line) of each non-blank line of JSONL text: a UTF-8 byte-order mark (Windows editors,
+    also where files were concatenated) and CRLF endings are accepted, as pandas and datasets accept them;
+    only a newline ends a line (U+2028 and other characters str.splitlines() splits on are valid inside a
+    JSON string)."""
+    for n, line in enumerate(text.split("\n"), start=1):
+        line = line.strip().lstrip("\ufeff")
+        if line:
+            yield n, line
+
+
+def read_holder(fd) -> dict:
+    try:
+        data = os.pread(fd, 65536, 0)
+        record = json.loads(data.decode("utf-8")) if data.strip() else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def lock_holder(folder) -> dict | None:
+    """The record of the live process holding FOLDER/.lock, or None. Never waits and never blocks a writer
+    for longer than an instant (a writer refused meanwhile tries again). Not for use by the holder itself."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return read_holder(fd) or {"pid": None}
+        return None
+    finally:
+        os.close(fd)
+
+
+# ---- common/service.py ----
+# Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
+# and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
+import importlib
+import sys
+from pathlib import Path
+
+
+def load_pricing():
+    """tinker_pricing from beside this script, or None (then no dollar estimate)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module("tinker_pricing")
+    except ImportError:
+        return None
+
+
+def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
+    """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
+    pricing = load_pricing()
+    if pricing is None:
+        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
+        say(note)
+        return None
+    try:
+        return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
+    except pricing.BudgetExceeded as e:
+        raise BudgetError(str(e)) from None
+    except (pricing.UnknownModelError, ValueError, OverflowError) as e:
+        if max_usd is not None:
+            raise BudgetError(f"cannot check --max-usd: {e}") from None
+        say(f"no dollar estimate: {e}")
+        return None
+
+
+# ---- common/rollouts.py ----
+# RL rollouts for tinker_rl.py: tasks and seeds per iteration, episodes sampled with bounded concurrency
+# and environment calls that overlap, group-relative advantages, datums, the rollout trace, and the
+# schedule of sampler versions (on-policy, or up to --max-staleness steps behind while training runs).
+_PROBE = "Zq7PROBEqZ"
+
+
+def render_text(tokenizer, fmt, messages, tools=None, add_generation_prompt=True):
+    kwargs = dict(fmt["template_kwargs"])
+    frozen = kwargs.pop("strftime_now", None)
+    with _frozen_clock(frozen):
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, **kwargs)
+
+
+def observation_tokens(tokenizer, fmt, message):
+    """Tokens that follow a closed model turn: the observation message and the next generation prompt.
+
+    Rendered after a probe assistant turn and cut after its end-of-turn token, so the result appends
+    to the tokens actually sampled (the extension property holds by construction and the episode
+    stays one datum, whatever the template does to earlier turns)."""
+    if isinstance(message, str):
+        message = {"role": "user", "content": message}
+    text = render_text(tokenizer, fmt, [{"role": "user", "content": "Hi"},
+                                        {"role": "assistant", "content": _PROBE}, message])
+    eot = tokenizer.decode([fmt["stop"][0]])
+    start = text.index(_PROBE) + len(_PROBE)
+    cut = text.index(eot, start) + len(eot)
+    return tokenizer.encode(text[cut:], add_special_tokens=False)
+
+
+def completion_text(tokenizer, fmt, tokens):
+    if tokens and tokens[-1] in fmt["stop"]:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens)
+
+
+def sampler_version(iteration, start, max_staleness, save_every):
+    """The weights (counted in optim steps) the rollouts of `iteration` are sampled with: its own when
+    max_staleness is 0 (on-policy), else up to max_staleness steps older, but never older than the run's
+    start or the last save point at or before it, so a --resume samples exactly what the uninterrupted
+    run did."""
+    floor = max(start, iteration // save_every * save_every) if save_every else start
+    return max(iteration - max_staleness, floor)
+# ==== END SHARED CODE (sha256 d7904ed5a378) ====
 
 
 if __name__ == "__main__":

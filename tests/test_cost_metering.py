@@ -313,6 +313,7 @@ def test_distill_total_equals_the_pre_run_estimate_student_and_teacher(monkeypat
                                                                       capsys):
     service = FakeService()
     monkeypatch.setattr(tinker_distill, "connect", lambda model_name, **kw: (service, 32768))
+    monkeypatch.setattr(tinker_distill, "check_teacher_served", lambda base: None)  # the fake serves it
     tokenizer = offline_tokenizer("Qwen3-8B")
     log = tmp_path / "log"
     argv = ["--tokenizer", tokenizer, "--teacher", MODEL, "--teacher-tokenizer", tokenizer, "--iterations", "2",

@@ -617,7 +617,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "silent_sessions_never_expire": True, "no_session_finish_route": True,
         "sampling_a_checkpoint_needs_its_training_model": True,
         "stale_gradients_survive_slot_reuse": True, "prompt_logprobs_without_leading_none": True,
-        "restored_run_ids_rejected_by_checkpoint_routes": True,
+        "restored_run_ids_rejected_by_checkpoint_routes": True, "retried_save_conflicts": True,
         "capabilities_without_context_window": True, "no_openai_endpoint": True,
         "jax_backend_without_gspo": True, "sampling_waits_for_training": True,
         "checkpoints_die_with_their_server": True,

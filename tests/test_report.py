@@ -157,7 +157,8 @@ def test_sft_curves_hold_exactly_the_logged_values(tmp_path):
     assert code == 0, err
     assert result["report"] == str(run / "report.html") and result["kind"] == "sft"
     assert result["rows"] == {"config": 1, "metrics": 4, "eval": 2, "checkpoints": 1, "rollouts": 0}
-    assert result["skipped_lines"] == {"metrics.jsonl": 1} and result["in_progress"] is True
+    assert result["skipped_lines"] == {"metrics.jsonl": 1} and result["in_progress"] is False  # nobody holds it
+    assert "stopped before its final checkpoint" in (run / "report.html").read_text()
     figs = figures_in((run / "report.html").read_text())
     assert set(figs) == {"loss", "learning_rate"}  # no cost rows: no cost curve, the estimate in a note
     assert "no cost in this record" in (run / "report.html").read_text()
@@ -276,8 +277,30 @@ def test_a_run_with_only_a_config_gets_a_report_that_says_so(tmp_path):
     code, result, err = run_report(run)
     assert code == 0, err
     page = (run / "report.html").read_text()
-    assert figures_in(page) == {} and result["rows"]["metrics"] == 0 and result["in_progress"] is True
+    assert figures_in(page) == {} and result["rows"]["metrics"] == 0 and result["in_progress"] is False
     assert "no metrics rows yet" in page and "no checkpoint saved yet" in page
+
+
+def test_in_progress_is_true_exactly_while_a_live_process_holds_the_folder_lock(tmp_path):
+    """The report tests LOG/.lock without taking it: true while a writer lives, false once it is killed
+    (the lock file it left behind names a dead process) and the folder is reported as stopped."""
+    run, _, _ = sft_folder(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, tinker_sft; tinker_sft.Run(sys.argv[1]).lock(); print('held', flush=True); "
+         "sys.stdin.read()", str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=ROOT / "scripts")
+    try:
+        assert holder.stdout.readline().strip() == "held"  # the event: the lock is taken
+        code, result, err = run_report(run)
+        assert code == 0 and result["in_progress"] is True, err
+        assert "in progress (a script holds the folder" in (run / "report.html").read_text()
+        assert json.loads((run / ".lock").read_text())["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    code, result, err = run_report(run)
+    assert code == 0 and result["in_progress"] is False, err
+    assert (run / ".lock").exists() and "stopped before its final checkpoint" in (run / "report.html").read_text()
 
 
 def test_torn_config_and_torn_metrics_are_tolerated(tmp_path):

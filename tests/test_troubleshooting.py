@@ -311,3 +311,84 @@ def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_l
         if key is None:  # the rehearsal hint is this very command, wrapped in the launcher that exists
             launcher = str(ROOT / "scripts" / "tinker_local.py")
             assert f"python {launcher} run -- python {ROOT / 'scripts' / 'tinker_sft.py'} --data " in out.stderr
+
+
+# ------------------------------------------------------------------ one writer, lost service, preconditions
+
+@proves("is being written by")
+def test_a_second_writer_on_a_live_run_folder(tmp_path):
+    import tinker_sft
+
+    hold = "import sys, tinker_sft; tinker_sft.Run(sys.argv[1]).lock(); print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "run")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT / "scripts")
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        msg = raised(lambda: tinker_sft.Run(tmp_path / "run").lock())
+        check(msg, "is being written by")
+        assert f"pid {holder.pid}" in msg and f"kill {holder.pid}" in msg
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+@proves("error: lost Tinker at")
+def test_a_lost_service_interrupts_the_main_thread_where_it_waits(monkeypatch):
+    """The watch a training run holds: once connect() reached the service, TINKER_UNREACHABLE_S seconds
+    without a TCP answer raise ServiceLost (exit 4) in the main thread, even inside a blocking wait."""
+    import socket
+    import threading
+
+    import tinker_sft
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there now: connections are refused
+    monkeypatch.setenv("TINKER_UNREACHABLE_S", "0.5")
+    with pytest.raises(tinker_sft.ServiceLost) as lost:
+        with tinker_sft.watch_service():
+            tinker_sft._start_watch(url)
+            threading.Event().wait(60)  # what .result() on a future does: the signal ends it
+    assert tinker_sft.run_cli(lambda argv: (_ for _ in ()).throw(lost.value)) == 4
+    check(f"error: {lost.value}", "error: lost Tinker at")
+    assert "TINKER_UNREACHABLE_S" in str(lost.value)
+
+
+@proves("torch is not importable")
+def test_dpo_names_the_torch_install_before_any_call(monkeypatch):
+    import tinker_dpo
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    msg = raised(lambda: tinker_dpo.check_torch(False))
+    check(msg, "torch is not importable")
+    assert "pip install torch" in msg
+
+
+@proves("MiB are free")
+def test_a_full_disk_is_refused_before_any_call(monkeypatch, tmp_path):
+    import tinker_sft
+
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(tinker_sft.shutil, "disk_usage", lambda path: usage(10**9, 10**9, 2**20))
+    check(raised(lambda: tinker_sft.Run(tmp_path / "run").lock()), "MiB are free")
+
+
+@pytest.mark.e2e
+@proves("cannot be sampled on this Tinker")
+def test_a_distill_teacher_checkpoint_that_is_gone(service, local_tinker, monkeypatch):
+    import types as pytypes
+
+    local_tinker.apply(monkeypatch)  # the served-model check asks the service of the environment
+
+    import tinker_distill
+
+    teacher = tinker_distill.Teacher(label="gone", base="Qwen/Qwen3-8B", path="tinker://model_gone/sampler_weights/final")
+    msg = raised(lambda: tinker_distill.open_teacher(service, teacher, pytypes.SimpleNamespace(teacher_tokenizer=None)))
+    check(msg, "cannot be sampled on this Tinker")
+    assert msg.startswith("DataError")
+    unserved = tinker_distill.Teacher(label="Qwen/Qwen3-32B", base="Qwen/Qwen3-32B", path=None)
+    msg = raised(lambda: tinker_distill.open_teacher(service, unserved, pytypes.SimpleNamespace(teacher_tokenizer=None)))
+    assert msg.startswith("DataError: the teacher Qwen/Qwen3-32B is not served for sampling by this Tinker"), msg
