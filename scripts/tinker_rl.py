@@ -23,7 +23,8 @@ Run:
     uv run tinker_rl.py --env calculator --log-path runs/rl-calc --iterations 20 --max-usd 5
 
 Edit:
-    The block marked `# ==== EDIT ME ====` below the settings: TASKS, render_prompt(task) (chat
+    The block marked `# ==== EDIT ME ====` below the settings holds a whole environment: ENV_NAME (--env NAME),
+    TASKS, TOOLS (function schemas rendered into the prompt) and SYSTEM_PROMPT, render_prompt(task) (chat
     messages, or a str for a base model), reward(task, completion) -> float and, for a multi-turn agent,
     env_step(task, conversation, model_turn, rng) -> (observation, reward, done[, info]). Each may be a
     plain function (run in a thread pool of --env-workers) or an `async def` (awaited). The calculator
@@ -107,8 +108,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="RL with group-relative advantages on Tinker (single-turn or multi-turn tool use).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--env", choices=("single", "calculator"), default="single",
-                   help="single: the EDIT ME tasks; calculator: the multi-turn tool-use example")
+    p.add_argument("--env", choices=tuple(dict.fromkeys((ENV_NAME, "single", "calculator"))), default=ENV_NAME,
+                   help=f"{ENV_NAME}: the EDIT ME block's environment (ENV_NAME; 'single' is another name for it); "
+                        "calculator: the multi-turn tool-use example")
     p.add_argument("--rehearse", choices=("auto", "on", "off"), default="auto",
                    help="the tiny-model rehearsal task and settings; auto: on when TINKER_BASE_URL is this machine")
     p.add_argument("--model-name", default="Qwen/Qwen3-8B")
@@ -152,23 +154,27 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
     args = p.parse_args(argv)
+    args.rehearse_flag = args.rehearse
     args.rehearse = args.rehearse == "on" or (args.rehearse == "auto" and on_local_backend())
     if args.rehearse:  # the rehearsal's settings, for every flag not given on the command line
         p.set_defaults(**{**REHEARSAL_SETTINGS, **(REHEARSAL_FROM_CHECKPOINT if args.init_from else {})})
         args = p.parse_args(argv)
-        args.rehearse = True
+        args.rehearse_flag, args.rehearse = args.rehearse, True
+    if args.env == "single":
+        args.env = ENV_NAME  # the EDIT ME block's environment, by its old name
     # Which reward trains: "own" (reward()/env_step() of the EDIT ME block), "stand-in" (the rehearsal's task),
     # or "auto" (a single-turn rehearsal without --init-from: own if it tells the first samples apart).
     if not args.rehearse:
         args.reward = "own"
-    elif args.env != "single" or (env_step is not None and args.env == "single"):
+    elif args.env != ENV_NAME or env_step is not None:
         args.reward = "stand-in"  # multi-turn: the rehearsal scores the shipped environment's answers
     else:  # "auto" samples before the budget check: only where sampling is free (the local backend)
         args.reward = "own" if args.init_from else "auto" if on_local_backend() else "stand-in"
     return args
 
 
-# ==== EDIT ME: TASKS, render_prompt(), reward(), env_step() ====
+# ==== EDIT ME: ENV_NAME, TASKS, TOOLS, SYSTEM_PROMPT, render_prompt(), reward(), env_step() ====
+# Everything an environment is lives here; nothing outside this block needs an edit for a new one.
 # Single-turn example: multiply two numbers in one reply. Qwen3-8B gets some but not all right, so
 # groups disagree and there is a gradient (a task every sample passes, or every sample fails, teaches
 # nothing: the script stops if the base policy ties every group).
@@ -186,6 +192,12 @@ _ALL_TASKS = [{"a": a, "b": b, "answer": a * b}
               for a, b in ((_task_rng.randint(100, 999), _task_rng.randint(10, 99)) for _ in range(72))]
 TASKS, EVAL_TASKS = _ALL_TASKS[:64], _ALL_TASKS[64:]  # EVAL_TASKS: held out, scored by --eval-every
 PASS_REWARD = 1.0  # pass@k counts a held-out task passed when one of k samples scores at least this
+ENV_NAME = "multiply"  # --env NAME runs this block (the default); it names the run folder runs/rl-NAME
+# Tools the model may call: OpenAI-style function schemas, rendered into every prompt by the chat template
+# (tools=), e.g. [{"type": "function", "function": {"name": "lookup", "description": "...", "parameters":
+# {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]}}}]. None: no tools.
+TOOLS = None
+SYSTEM_PROMPT = None  # a str: sent as the first (system) message of every episode, before render_prompt()'s
 
 
 def render_prompt(task):
@@ -338,9 +350,15 @@ def say_reward(args, job):
     source = ("the rehearsal's stand-in ('say something': the share of visible text)" if args.reward != "own"
               else "the calculator example's env_step() (--env calculator)" if args.env == "calculator"
               else f"your reward() from the EDIT ME block, on its {job.n_train} TASKS" if job.env["env_step"] is None
-              else "your env_step() from the EDIT ME block")
+              else f"your env_step() and reward() from the EDIT ME block, {tools_named(job.env['tools'])}")
     start = f", from {args.init_from} (weights only, fresh optimizer)" if args.init_from else ""
-    say(f"reward: {source}{start}")
+    say(f"reward: {source}{start} (--env {args.env})")
+
+
+def tools_named(tools):
+    """'tools lookup, search' or 'no tools' for a banner."""
+    names = [(t.get("function") or t).get("name", "?") for t in tools or [] if isinstance(t, dict)]
+    return f"tool{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else "no tools"
 
 
 def reward_summary(groups, what):
@@ -611,7 +629,8 @@ def calculator_render_prompt(task):
 
 def calculator_reward(task, completion):
     """Score the final answer (text without a tool call): 1.0 when its last number is right, else 0.0."""
-    return reward(task, completion)
+    numbers = re.findall(r"-?\d[\d,]*", completion)
+    return 1.0 if numbers and numbers[-1].replace(",", "") == str(task["answer"]) else 0.0
 
 
 def calculator_env_step(task, conversation, model_turn, rng):
@@ -656,6 +675,22 @@ def _safe_eval(expression):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+def with_system_prompt(render, system_prompt):
+    """render_prompt() with SYSTEM_PROMPT as the first message (unless it already starts with a system one)."""
+    if not system_prompt:
+        return render
+
+    @functools.wraps(render)
+    def rendered(task):
+        messages = render(task)
+        if isinstance(messages, list) and not (messages and isinstance(messages[0], dict)
+                                               and messages[0].get("role") == "system"):
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        return messages
+
+    return rendered
+
+
 def load_env(name, rehearse=False, reward_source="stand-in"):
     """The pieces of one example: tasks, render_prompt, reward, env_step (None = single-turn), tools."""
     if name == "calculator":
@@ -666,8 +701,8 @@ def load_env(name, rehearse=False, reward_source="stand-in"):
         env = dict(tasks=CALCULATOR_TASKS[:56], eval_tasks=CALCULATOR_TASKS[56:], render_prompt=calculator_render_prompt,
                    reward=calculator_reward, env_step=calculator_env_step, tools=CALCULATOR_TOOLS)
     else:
-        env = dict(tasks=TASKS, eval_tasks=EVAL_TASKS, render_prompt=render_prompt, reward=reward, env_step=env_step,
-                   tools=None)
+        env = dict(tasks=TASKS, eval_tasks=EVAL_TASKS, render_prompt=with_system_prompt(render_prompt, SYSTEM_PROMPT),
+                   reward=reward, env_step=env_step, tools=TOOLS or None)
     if not rehearse:
         return env
     if reward_source in ("own", "auto") and env["env_step"] is None:

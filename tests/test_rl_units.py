@@ -625,7 +625,7 @@ def test_bad_input_from_the_command_line_has_no_traceback(qwen):
 def test_empty_task_list_is_bad_input(qwen, monkeypatch, capsys):
     monkeypatch.setattr(tinker_rl, "TASKS", [])
     assert tinker_rl.run_cli(tinker_rl.main, ["--dry-run", "--tokenizer", qwen[2]]) == 2
-    assert "task list of --env single is empty" in capsys.readouterr().err
+    assert "task list of --env multiply is empty" in capsys.readouterr().err
 
 
 def test_no_credentials_exits_4_before_any_call(qwen, tmp_path):
