@@ -281,10 +281,9 @@ def train_run(args, job, run):
             batch = build_batch(groups, args.normalize_std, it, args.max_staleness)
             if it == 0 and it == start:  # the reward on the first samples, before any training
                 say(reward_summary(groups, "reward() (EDIT ME)" if args.reward == "own" else "the stand-in reward"))
-            if it == 0 and batch.tied == len(groups) and args.reward == "own":  # nothing to learn from, ever
-                raise DataError(tied_message(groups, args))
+            floor = it == 0 and batch.tied == len(groups) and args.reward == "own"  # nothing to learn, ever
             fb_metrics = {}
-            if batch.datums:
+            if batch.datums and not floor:
                 result = train_step(tc, batch.datums, args.loss_fn, job.loss_config, args.learning_rate,
                                     on_error=lambda e: training_failure(e, args, run, it, start))
                 fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
@@ -295,9 +294,11 @@ def train_run(args, job, run):
                                          "training": t2 - t1}, retries=ro.take_retries())
             row.update(cost.row(train=row["tokens_trained"], **rollout_tokens(groups)))
             run.append("metrics.jsonl", row)
-            if args.trace_every and it % args.trace_every == 0:
+            if floor or (args.trace_every and it % args.trace_every == 0):  # the floor's rollouts, always
                 for trace_row in rollout_rows(it, groups, batch, job.tokenizer):
                     run.append("rollouts.jsonl", trace_row)
+            if floor:  # the sampling was paid for: its row and rollouts are written above, then the run stops
+                raise DataError(tied_message(groups, args, run.path))
             rewards_seen.append(row["reward_mean"])
             say(progress_line(it, args.iterations, row))
             done = it + 1
@@ -521,13 +522,20 @@ def estimate_cost(args, job, context_window, start=0):
     return estimate(args.model_name, tokens, args.max_usd, label=label, context=context_window)
 
 
-def tied_message(groups, args=None):
+def tied_message(groups, args=None, log_path=None):
     rewards = sorted({e.reward for g in groups for e in g.episodes})
     policy = f"the policy from {args.init_from}" if args is not None and args.init_from else "the base policy"
+    where = ""
+    if log_path is not None:
+        log = short_path(log_path)
+        where = (f"; what it sampled is in {os.path.join(log, 'metrics.jsonl')} (iteration 0) and "
+                 f"{os.path.join(log, 'rollouts.jsonl')} (every episode, decoded: prompt_text, completion_text), "
+                 f"shown by {script_command('tinker_report.py', log)}")
     return (f"{policy} ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
-            "no gradient. Make the tasks easier (reward floor) or harder (ceiling), give partial credit in "
-            "reward(), raise --group-size / --temperature, or SFT first and start from its checkpoint with "
-            "--init-from tinker://RUN/weights/final; nothing was trained")
+            "no gradient; nothing was trained" + where + ". Ways out: give partial credit in reward() (a score "
+            "for the right format, the tool called, a near answer), make the tasks easier (reward floor) or harder "
+            "(ceiling), raise --group-size / --temperature, or SFT first and start from its checkpoint with "
+            "--init-from tinker://RUN/weights/final")
 
 
 def training_failure(e, args, run, it, start):

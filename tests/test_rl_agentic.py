@@ -62,3 +62,50 @@ def test_system_prompt_is_added_once_before_render_prompts_messages(monkeypatch)
     assert render({}) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}]
     already = tinker_rl.with_system_prompt(lambda task: [{"role": "system", "content": "mine"}], "be brief")
     assert already({}) == [{"role": "system", "content": "mine"}]
+
+
+# ---------------------------------------------------------------- a fake Tinker for main() (as test_rl_units)
+
+from test_rl_units import FakeSampler, FakeService, varied_reply  # noqa: E402
+
+
+@pytest.fixture
+def fake_tinker(monkeypatch, qwen):
+    tok, fmt, path = qwen
+    service = FakeService(FakeSampler(varied_reply(fmt["stop"][0])))
+    monkeypatch.setattr(tinker_rl, "connect", lambda model_name, **kw: (service, 32768))
+    monkeypatch.setattr(tinker_rl, "reward", lambda task, completion: float(len(completion)))
+    monkeypatch.setattr(tinker_rl, "TASKS", tinker_rl.TASKS[:6])
+
+    def run(*argv):
+        return tinker_rl.run_cli(tinker_rl.main, ["--tokenizer", path, "--batch-size", "2", "--group-size", "3",
+                                                  "--max-tokens", "8", *argv])
+
+    service.run = run
+    return service
+
+
+def rows(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def test_floor_check_writes_the_iterations_row_and_decoded_rollouts_before_it_stops(fake_tinker, monkeypatch,
+                                                                                  tmp_path, capsys):
+    monkeypatch.setattr(tinker_rl, "reward", lambda task, completion: 0.0)
+    log = tmp_path / "run"
+    assert fake_tinker.run("--iterations", "3", "--trace-every", "0", "--log-path", str(log)) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "the base policy ties every group (all 2 groups at reward [0.0])" in line
+    assert f"{log / 'metrics.jsonl'} (iteration 0)" in line and str(log / "rollouts.jsonl") in line
+    assert "tinker_report.py" in line
+    for way_out in ("partial credit", "easier", "--group-size", "--init-from"):
+        assert way_out in line
+    assert fake_tinker.trained == []  # nothing was trained
+    [row] = rows(log / "metrics.jsonl")
+    assert row["iteration"] == 0 and row["groups_tied"] == 2 and row["datums"] == 0 and row["episodes"] == 6
+    assert row["reward_mean"] == 0.0 and "loss_sum" not in row and row["cost/cumulative_usd"] > 0
+    trace = rows(log / "rollouts.jsonl")  # written although --trace-every 0
+    assert len(trace) == 6 and all(r["iteration"] == 0 and not r["trained"] for r in trace)
+    assert all(r["completion_text"] for r in trace) and "What is" in trace[0]["prompt_text"]
+    assert not (log / "checkpoints.jsonl").exists()

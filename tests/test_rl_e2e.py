@@ -109,6 +109,11 @@ def test_base_policy_that_ties_every_group_stops_before_training(local_tinker, t
     assert out.returncode == 2, out.stderr
     assert "the base policy ties every group (all 2 groups at reward [0.0])" in out.stderr
     assert out.stdout == "" and not (tmp_path / "run" / "checkpoints.jsonl").exists()
+    # what the stopped iteration sampled is kept: its metrics row and its decoded rollouts
+    [row] = rows(tmp_path / "run" / "metrics.jsonl")
+    assert row["iteration"] == 0 and row["groups_tied"] == 2 and row["datums"] == 0
+    trace = rows(tmp_path / "run" / "rollouts.jsonl")
+    assert len(trace) == 4 and all("What is" in r["prompt_text"] and not r["trained"] for r in trace)
 
 
 def test_calculator_rehearsal_trains_two_turn_episodes(local_tinker, monkeypatch, capsys, tmp_path):
