@@ -133,6 +133,20 @@ def build_batch(groups, normalize_std=False, iteration=None, max_staleness=0) ->
     return batch
 
 
+# --env-workers' default: one thread per episode in flight (a slow tool never waits for a free thread), capped.
+MAX_ENV_WORKERS = 256
+
+
+def episodes_in_flight(args):
+    """Episodes sampled at once: one iteration's, or --max-staleness iterations' when they sample ahead."""
+    return args.batch_size * args.group_size * max(1, args.max_staleness)
+
+
+def env_workers(args):
+    """--env-workers, or its default: the episodes in flight, at most MAX_ENV_WORKERS."""
+    return min(episodes_in_flight(args), MAX_ENV_WORKERS) if args.env_workers is None else args.env_workers
+
+
 class Rollouts:
     """Runs the groups of one iteration: at most --max-in-flight sampling requests at once (the rest
     wait), a 429 or transient error retried with back-off, plain-function environment code in a thread
@@ -145,7 +159,7 @@ class Rollouts:
 
     @contextlib.contextmanager
     def pools(self):
-        workers = self.args.env_workers
+        workers = env_workers(self.args)
         with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="env") as env_pool, \
                 concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as token_pool:
             self.env_pool = env_pool if workers else None

@@ -134,8 +134,10 @@ def parse_args(argv=None):
     p.add_argument("--dro-beta", type=float, default=None)
     p.add_argument("--normalize-std", action="store_true", help="divide advantages by the group's std")
     p.add_argument("--context-window", type=int, default=None, help="override the model's (asked from Tinker)")
-    p.add_argument("--env-workers", type=int, default=16,
-                   help="threads for plain-function reward()/env_step(); 0 calls them on the event loop, one at a time")
+    p.add_argument("--env-workers", type=int, default=None,
+                   help="threads for plain-function reward()/env_step(); default: the episodes in flight "
+                        f"(--batch-size x --group-size, x --max-staleness when above 1; at most {MAX_ENV_WORKERS}); "
+                        "0 calls them on the event loop, one at a time")
     p.add_argument("--max-in-flight", type=int, default=64,
                    help="sampling requests at once, the rest queued (64: the cookbook's eval concurrency)")
     p.add_argument("--max-staleness", type=int, default=0,
@@ -410,6 +412,15 @@ def check_settings(args):
                         "so at least 2 are needed (4 is a good start)")
     if args.resume and args.overwrite:
         raise DataError("--resume and --overwrite contradict each other; pick one")
+    in_flight = episodes_in_flight(args)
+    if args.env_workers is None:
+        args.env_workers = env_workers(args)
+    elif 0 < args.env_workers < in_flight:
+        say(f"note: --env-workers {args.env_workers} is below the {in_flight} episodes in flight "
+            f"(--batch-size {args.batch_size} x --group-size {args.group_size}"
+            + (f" x --max-staleness {args.max_staleness}" if args.max_staleness > 1 else "")
+            + f"): a slow plain-function env_step()/reward() makes episodes wait for a thread; drop the flag for "
+            f"{min(in_flight, MAX_ENV_WORKERS)} (the default)")
     if args.max_tokens is None:
         args.max_tokens = 4096 if any(m.lower() in args.model_name.lower() for m in REASONING_MODELS) else 256
     if args.log_path is None:
@@ -2248,6 +2259,20 @@ def build_batch(groups, normalize_std=False, iteration=None, max_staleness=0) ->
     return batch
 
 
+# --env-workers' default: one thread per episode in flight (a slow tool never waits for a free thread), capped.
+MAX_ENV_WORKERS = 256
+
+
+def episodes_in_flight(args):
+    """Episodes sampled at once: one iteration's, or --max-staleness iterations' when they sample ahead."""
+    return args.batch_size * args.group_size * max(1, args.max_staleness)
+
+
+def env_workers(args):
+    """--env-workers, or its default: the episodes in flight, at most MAX_ENV_WORKERS."""
+    return min(episodes_in_flight(args), MAX_ENV_WORKERS) if args.env_workers is None else args.env_workers
+
+
 class Rollouts:
     """Runs the groups of one iteration: at most --max-in-flight sampling requests at once (the rest
     wait), a 429 or transient error retried with back-off, plain-function environment code in a thread
@@ -2260,7 +2285,7 @@ class Rollouts:
 
     @contextlib.contextmanager
     def pools(self):
-        workers = self.args.env_workers
+        workers = env_workers(self.args)
         with concurrent.futures.ThreadPoolExecutor(max(workers, 1), thread_name_prefix="env") as env_pool, \
                 concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as token_pool:
             self.env_pool = env_pool if workers else None
@@ -2533,7 +2558,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 fbd3a2a07e03) ====
+# ==== END SHARED CODE (sha256 29787e62a8bc) ====
 
 
 if __name__ == "__main__":

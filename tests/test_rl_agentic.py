@@ -109,3 +109,22 @@ def test_floor_check_writes_the_iterations_row_and_decoded_rollouts_before_it_st
     assert len(trace) == 6 and all(r["iteration"] == 0 and not r["trained"] for r in trace)
     assert all(r["completion_text"] for r in trace) and "What is" in trace[0]["prompt_text"]
     assert not (log / "checkpoints.jsonl").exists()
+
+
+def settled(*argv):
+    args = tinker_rl.parse_args(["--rehearse", "off", *argv])
+    tinker_rl.check_settings(args)
+    return args
+
+
+def test_env_workers_default_to_the_episodes_in_flight_and_a_lower_value_is_warned(capsys):
+    assert settled("--batch-size", "16", "--group-size", "8").env_workers == 128
+    assert settled("--batch-size", "4", "--group-size", "4", "--max-staleness", "2").env_workers == 32
+    assert settled("--batch-size", "64", "--group-size", "16").env_workers == tinker_rl.MAX_ENV_WORKERS
+    assert "--env-workers" not in capsys.readouterr().err
+    assert settled("--batch-size", "16", "--group-size", "8", "--env-workers", "16").env_workers == 16
+    err = capsys.readouterr().err
+    assert "note: --env-workers 16 is below the 128 episodes in flight (--batch-size 16 x --group-size 8)" in err
+    assert "drop the flag for 128 (the default)" in err
+    assert settled("--env-workers", "0").env_workers == 0  # one at a time on the event loop: chosen, not warned
+    assert "--env-workers" not in capsys.readouterr().err
