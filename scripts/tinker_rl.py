@@ -49,7 +49,8 @@ Requires:
 
 Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (tasks, reward, flags, unknown
 model, prompt over the context window, every group tied on the base policy, a loss the server
-rejects, --resume with other settings), 3 cost estimate above --max-usd, 4 no credentials or Tinker
+rejects, --resume with other settings), 3 cost estimate above --max-usd (before the run, or during it: the
+metered cost plus the next iteration's estimate; saved first, continue with --resume), 4 no credentials or Tinker
 unreachable, 130 interrupted / 143 terminated (resume with --resume).
 
 The recipe: per iteration, snapshot the weights into a sampling client; sample --group-size
@@ -151,7 +152,9 @@ def parse_args(argv=None):
                    help="write rollouts.jsonl rows every N iterations; 0 = no trace")
     p.add_argument("--log-path", default=None, help="default runs/rl-<env>")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-usd", type=float, default=None, help="stop before training if the estimate is above")
+    p.add_argument("--max-usd", type=float, default=None,
+                   help="stop before training if the estimate is above; during the run, save and stop (exit 3) "
+                        "before an iteration whose estimate would take the metered cost above it")
     p.add_argument("--dry-run", action="store_true", help="render and check, no Tinker call")
     p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
@@ -266,6 +269,7 @@ def train_run(args, job, run):
     ro = Rollouts(job, args, context_window)
     cost = CostMeter(args.model_name, run, context=context_window)  # cost/* per row, priced as the estimate
     rewards_seen = [r["reward_mean"] for r in run.rows("metrics.jsonl")]
+    next_usd = iteration_estimate_usd(args, job, context_window) if args.max_usd is not None else None
 
     def tasks_and_seeds(it):
         task_indices = batch_tasks(it, job.n_train, args.batch_size, args.seed)
@@ -274,6 +278,8 @@ def train_run(args, job, run):
     with ro.pools(), Sampling(ro, tc, start, args.iterations, tasks_and_seeds, args.max_staleness,
                               args.save_every) as sampling:
         for it in range(start, args.iterations):
+            if next_usd is not None and cost.cumulative + next_usd > args.max_usd:  # --max-usd holds during the run
+                raise over_budget(args, run, tc, job, it, cost.cumulative, next_usd)
             t0 = time.time()
             task_indices, seeds = tasks_and_seeds(it)
             groups = sampling.groups(it)  # with --max-staleness, sampled while earlier iterations trained
@@ -524,13 +530,48 @@ def estimate_cost(args, job, context_window, start=0):
     """Dollar estimate of iterations start..--iterations (what a --resume has left to pay for);
     completions counted at --max-tokens, an upper bound. BudgetError above --max-usd."""
     pricing = load_pricing()
-    turns = args.max_turns if job.env["env_step"] else 1
     remaining = max(0, args.iterations - start)
-    avg_prompt = sum(map(len, job.prompts)) / len(job.prompts)
-    tokens = (pricing.rl_tokens(remaining, args.batch_size, args.group_size, avg_prompt, args.max_tokens,
-                                turns=turns, avg_observation=64 if turns > 1 else 0) if pricing else {})
+    tokens = estimate_tokens(args, job, pricing, remaining) if pricing else {}
     label = "rl" if not start else f"rl, remaining {remaining} of {args.iterations} iterations after --resume"
     return estimate(args.model_name, tokens, args.max_usd, label=label, context=context_window)
+
+
+def iteration_estimate_usd(args, job, context_window):
+    """The dollar estimate of one iteration, as the pre-run estimate counts it (for the running --max-usd
+    check); None without tinker_pricing.py or a price for the model."""
+    pricing = load_pricing()
+    if pricing is None:
+        return None
+    try:
+        est = pricing.estimate_cost(args.model_name, context=context_window, **estimate_tokens(args, job, pricing, 1))
+    except ValueError:
+        return None
+    return est["usd"]["total"]
+
+
+def over_budget(args, run, tc, job, it, spent, next_usd):
+    """The BudgetError that stops a run before iteration `it`: saved first (when `it` has no checkpoint yet),
+    so --resume continues exactly there."""
+    rows = run.checkpoints()
+    if it > 0 and not (rows and rows[-1].get("next_iteration") == it):
+        save_checkpoint(tc, run, f"{it:06d}", it, it * args.batch_size // job.n_train, job.fmt)
+        rows = run.checkpoints()
+    saved = (f"saved at iteration {it} ({rows[-1]['state_path']})" if rows and rows[-1].get("next_iteration") == it
+             else "nothing to save yet")
+    return BudgetError(
+        f"--max-usd {args.max_usd:g}: ${spent:.4f} metered so far (cost/cumulative_usd in "
+        f"{os.path.join(short_path(run.path), 'metrics.jsonl')}) + ${next_usd:.4f} estimated for the next iteration "
+        f"would pass it; stopped before iteration {it} of {args.iterations}, {saved}. Continue with the same "
+        "command plus --resume and a higher --max-usd (or fewer --iterations)")
+
+
+def estimate_tokens(args, job, pricing, iterations):
+    """Tokens of `iterations` iterations as tinker_pricing.rl_tokens counts them: every turn samples --max-tokens
+    (an upper bound), a multi-turn episode runs --max-turns turns with 64 observation tokens before each later one."""
+    turns = args.max_turns if job.env["env_step"] else 1
+    avg_prompt = sum(map(len, job.prompts)) / len(job.prompts)
+    return pricing.rl_tokens(iterations, args.batch_size, args.group_size, avg_prompt, args.max_tokens,
+                             turns=turns, avg_observation=64 if turns > 1 else 0)
 
 
 def tied_message(groups, args=None, log_path=None):

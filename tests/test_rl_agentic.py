@@ -128,3 +128,49 @@ def test_env_workers_default_to_the_episodes_in_flight_and_a_lower_value_is_warn
     assert "drop the flag for 128 (the default)" in err
     assert settled("--env-workers", "0").env_workers == 0  # one at a time on the event loop: chosen, not warned
     assert "--env-workers" not in capsys.readouterr().err
+
+
+class FakeMeter:
+    """Stands in for CostMeter: every metrics row costs `step` dollars (a run whose real tokens cost more than
+    the estimate assumed, e.g. longer tool results)."""
+
+    step = 0.3
+
+    def __init__(self, model_name, run=None, *, context=None):
+        kept = [r["cost/cumulative_usd"] for r in (run.rows("metrics.jsonl") if run is not None else [])]
+        self.cumulative = kept[-1] if kept else 0.0
+
+    def row(self, **tokens):
+        self.cumulative += self.step
+        return {"cost/step_usd": self.step, "cost/cumulative_usd": self.cumulative}
+
+
+def test_max_usd_holds_during_the_run_saves_and_stops_with_exit_3_then_resumes(fake_tinker, monkeypatch, tmp_path,
+                                                                              capsys):
+    monkeypatch.setattr(tinker_rl, "CostMeter", FakeMeter)
+    log = tmp_path / "run"
+    # the pre-run estimate (fractions of a cent) passes; the metered $0.30 per iteration passes $0.50 after two
+    assert fake_tinker.run("--iterations", "4", "--save-every", "0", "--max-usd", "0.5", "--log-path", str(log)) == 3
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: --max-usd 0.5: $0.6000 metered so far")
+    assert "stopped before iteration 2 of 4, saved at iteration 2 (tinker://fake/weights/000002)" in line
+    assert "--resume and a higher --max-usd" in line
+    assert [r["iteration"] for r in rows(log / "metrics.jsonl")] == [0, 1]
+    [ckpt] = rows(log / "checkpoints.jsonl")
+    assert (ckpt["name"], ckpt["next_iteration"]) == ("000002", 2)
+    assert len(fake_tinker.trained) == 2
+    # resumable: the same command plus --resume and a higher cap continues at iteration 2
+    assert fake_tinker.run("--iterations", "4", "--save-every", "0", "--max-usd", "5", "--log-path", str(log),
+                           "--resume") == 0
+    assert [r["iteration"] for r in rows(log / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert fake_tinker.resumed_from == ["tinker://fake/weights/000002"]
+    assert rows(log / "metrics.jsonl")[-1]["cost/cumulative_usd"] == pytest.approx(1.2)
+
+
+def test_the_running_cap_does_not_stop_a_run_whose_costs_match_the_estimate(fake_tinker, tmp_path, capsys):
+    log = tmp_path / "run"
+    assert fake_tinker.run("--iterations", "3", "--max-usd", "0.5", "--log-path", str(log)) == 0
+    metered = rows(log / "metrics.jsonl")[-1]["cost/cumulative_usd"]
+    est = json.loads((log / "config.json").read_text())["estimate_usd"]
+    assert 0 < metered <= est <= 0.5
