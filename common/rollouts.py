@@ -181,13 +181,43 @@ class Rollouts:
         return list(groups)
 
     async def group(self, sampler, task_index, seed, n=None, temperature=None):
-        """One group: the first turn of all its samples in one call, then each episode on its own."""
+        """One group: the first turn of all its samples in one call, then each episode on its own. A scripted
+        rehearsal (env["scripted_turns"]): the first scripted_share() samples play the script instead."""
         prompt = self.job.prompts[task_index]
+        n = n or self.args.group_size
+        script = self.script(task_index)
+        scripted = scripted_share(n) if script else 0
         params = self.params(len(prompt), seed, temperature)
-        response = await self.sample(sampler, prompt, n or self.args.group_size, params)
-        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature)
-                                          for i, seq in enumerate(response.sequences)))
+        firsts = [await self.scripted(sampler, prompt, script[0]) for _ in range(min(scripted, 1))] * scripted
+        if n > scripted:
+            firsts += list((await self.sample(sampler, prompt, n - scripted, params)).sequences)
+        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature,
+                                                       script if i < scripted else None)
+                                          for i, seq in enumerate(firsts)))
         return Group(task_index, seed, list(episodes))
+
+    def script(self, task_index):
+        """The scripted assistant turns (texts) of a task in a scripted rehearsal, else None."""
+        scripted_turns = self.job.env.get("scripted_turns")
+        if scripted_turns is None:
+            return None
+        task = self.job.tasks[task_index]
+        turns = scripted_turns(task) if callable(scripted_turns) else scripted_turns
+        if not isinstance(turns, (list, tuple)) or not turns or not all(isinstance(t, str) for t in turns):
+            raise DataError(f"REHEARSAL_TURNS gave {type(turns).__name__} for {task_label(self.job.tasks, task_index)}; "
+                            "expected a non-empty list of assistant turn texts")
+        return list(turns)
+
+    async def scripted(self, sampler, observation, text):
+        """A scripted assistant turn as the sampler would return it: the text rendered by the chat template as
+        the next assistant turn (cut after its end-of-turn token), with the sampler's own logprobs of those
+        tokens (compute_logprobs), so the datum trains exactly like a sampled turn."""
+        import tinker
+
+        action = await self.off_loop(self.token_pool, assistant_tokens, self.job.tokenizer, self.job.fmt, text)
+        logprobs = await self.gate.call(sampler.compute_logprobs,
+                                        tinker.ModelInput.from_ints(list(observation) + action))
+        return ScriptedTurn(action, [float(x) for x in logprobs[-len(action):]], "stop")
 
     async def evaluate(self, sampler, k, seed, pass_reward):
         """Held-out tasks: the mean reward of one greedy episode each, and pass@k (the share of tasks where
@@ -234,8 +264,9 @@ class Rollouts:
             name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__
             raise DataError(f"{name}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
 
-    async def episode(self, sampler, task_index, seed, index, first, temperature=None):
-        """Continue one episode from its first sampled turn until the environment says done."""
+    async def episode(self, sampler, task_index, seed, index, first, temperature=None, script=None):
+        """Continue one episode from its first sampled turn until the environment says done (turn k plays
+        script[k] while the script lasts)."""
         job, args = self.job, self.args
         task, env = job.tasks[task_index], job.env
         label = task_label(job.tasks, task_index)
@@ -244,7 +275,9 @@ class Rollouts:
         observation, sequence = job.prompts[task_index], first
         turns, total, truncated, info = [], 0.0, False, {}
         for turn_index in range(args.max_turns):
-            if turn_index > 0:
+            if turn_index > 0 and script is not None and turn_index < len(script):
+                sequence = await self.scripted(sampler, observation, script[turn_index])
+            elif turn_index > 0:
                 params = self.params(len(observation), seed + 7919 * index + turn_index, temperature)
                 if params is None:  # no room left in the context window
                     truncated = True
@@ -273,7 +306,39 @@ class Rollouts:
             closed = action if action and action[-1] in job.fmt["stop"] else action + job.fmt["stop"][:1]
             new = await self.off_loop(self.token_pool, observation_tokens, job.tokenizer, job.fmt, message)
             observation = observation + closed + new
+        if script is not None:
+            info["scripted_episodes"] = 1
         return Episode(turns, total, truncated, info)
+
+
+@dataclasses.dataclass
+class ScriptedTurn:
+    """A scripted rehearsal turn, shaped like a sampled sequence."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+def scripted_share(group_size):
+    """Samples of a group that play the script in a scripted rehearsal: half (at least 1, at most G - 1), so the
+    script's reward and the sampled episodes' differ and the group trains."""
+    return max(1, min(group_size - 1, group_size // 2))
+
+
+def assistant_tokens(tokenizer, fmt, text):
+    """The tokens of an assistant turn saying `text`, as the chat template renders it after the generation
+    prompt (its end-of-turn token included): what the model would sample to say it."""
+    probe = [{"role": "user", "content": "Hi"}]
+    before = render_text(tokenizer, fmt, probe)
+    after = render_text(tokenizer, fmt, probe + [{"role": "assistant", "content": text}], add_generation_prompt=False)
+    eot = tokenizer.decode([fmt["stop"][0]])
+    if after.startswith(before) and eot in after[len(before):]:
+        body = after[len(before): after.index(eot, len(before)) + len(eot)]
+        tokens = tokenizer.encode(body, add_special_tokens=False)
+    else:  # a template that rewrites the turn: the text itself
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    return tokens if tokens and tokens[-1] in fmt["stop"] else tokens + list(fmt["stop"][:1])
 
 
 def checked_reward(value, label, where="reward()"):

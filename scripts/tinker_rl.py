@@ -171,6 +171,8 @@ def parse_args(argv=None):
     # or "auto" (a single-turn rehearsal without --init-from: own if it tells the first samples apart).
     if not args.rehearse:
         args.reward = "own"
+    elif args.env == ENV_NAME and globals().get("REHEARSAL_TURNS") is not None:
+        args.reward = "own"  # a scripted rehearsal: your env_step()/reward() on scripted and sampled episodes
     elif args.env != ENV_NAME or env_step is not None:
         args.reward = "stand-in"  # multi-turn: the rehearsal scores the shipped environment's answers
     else:  # "auto" samples before the budget check: only where sampling is free (the local backend)
@@ -224,6 +226,15 @@ def reward(task, completion):
 # None when done; reward is added to the episode's total; info (optional): numbers summed into metrics
 # as env/<key>. None here means single-turn: reward() scores the one reply. See calculator_env_step().
 env_step = None
+
+# The rehearsal on the local backend (--rehearse) plays these assistant turns (a list of texts, or a function of
+# the task returning one) in half of each group: a tool call your env_step() parses, then the answer your reward()
+# scores. They are rendered as the model's own tokens, so your parser, env_step(), the masking of observations and
+# reward() run on real tokens and real datums, although the tiny model never writes a tool call. E.g.
+#   def REHEARSAL_TURNS(task):
+#       return ['<tool_call>\n{"name": "lookup", "arguments": {"item": "%s"}}\n</tool_call>' % task["item"],
+#               str(task["answer"])]
+REHEARSAL_TURNS = None
 
 # ==== END OF EDIT ME ====
 
@@ -359,7 +370,8 @@ def say_reward(args, job):
     source = ("the rehearsal's stand-in ('say something': the share of visible text)" if args.reward != "own"
               else "the calculator example's env_step() (--env calculator)" if args.env == "calculator"
               else f"your reward() from the EDIT ME block, on its {job.n_train} TASKS" if job.env["env_step"] is None
-              else f"your env_step() and reward() from the EDIT ME block, {tools_named(job.env['tools'])}")
+              else f"your env_step() and reward() from the EDIT ME block, {tools_named(job.env['tools'])}"
+              + (", on scripted (REHEARSAL_TURNS) and sampled episodes" if job.env.get("scripted_turns") else ""))
     start = f", from {args.init_from} (weights only, fresh optimizer)" if args.init_from else ""
     say(f"reward: {source}{start} (--env {args.env})")
 
@@ -470,7 +482,7 @@ class Job:
 
 def prepare(args) -> Job:
     """Tasks, tokenizer, format and rendered prompts; everything checked that can be without Tinker."""
-    env = load_env(args.env, args.rehearse, args.reward)
+    env = load_env(args.env, args.rehearse, args.reward, getattr(args, "rehearse_flag", "on"))
     if not env["tasks"]:
         raise DataError(f"the task list of --env {args.env} is empty; fill TASKS in the EDIT ME block")
     if args.eval_every and not env["eval_tasks"]:
@@ -751,8 +763,9 @@ def with_system_prompt(render, system_prompt):
     return rendered
 
 
-def load_env(name, rehearse=False, reward_source="stand-in"):
-    """The pieces of one example: tasks, render_prompt, reward, env_step (None = single-turn), tools."""
+def load_env(name, rehearse=False, reward_source="stand-in", flag="on"):
+    """The pieces of one example: tasks, render_prompt, reward, env_step (None = single-turn), tools, and in a
+    scripted rehearsal scripted_turns (REHEARSAL_TURNS). `flag`: --rehearse as given, for the banner."""
     if name == "calculator":
         if SIMULATED_USER_TEMPERATURE > 0:
             say(f"warning: SIMULATED_USER_TEMPERATURE is {SIMULATED_USER_TEMPERATURE}: a simulated user that "
@@ -765,14 +778,27 @@ def load_env(name, rehearse=False, reward_source="stand-in"):
                    reward=reward, env_step=env_step, tools=TOOLS or None)
     if not rehearse:
         return env
+    mode = (f"--rehearse {flag}" + (": on, TINKER_BASE_URL is this machine" if flag == "auto" else "")
+            + ("" if on_local_backend() else ", forced"))
+    scripted = globals().get("REHEARSAL_TURNS") if name != "calculator" else None
+    if scripted is not None:
+        share = scripted_share(REHEARSAL_SETTINGS["group_size"])
+        say(f"rehearsal ({mode}): your environment '{name}' from the EDIT ME block ({tools_named(env['tools'])}); in "
+            f"each group the first half of the samples (e.g. {share} of {REHEARSAL_SETTINGS['group_size']}) play "
+            "REHEARSAL_TURNS, rendered by the chat template as the model's own tokens with the sampler's logprobs, "
+            "the rest are sampled; your " + ("env_step() and reward()" if env["env_step"] else "reward()")
+            + " score every episode and train; --rehearse off trains as written")
+        return dict(env, scripted_turns=scripted)
     if reward_source in ("own", "auto") and env["env_step"] is None:
-        say(f"rehearsal (--rehearse {'on' if on_local_backend() else 'on, forced'}): your TASKS and reward() with "
+        say(f"rehearsal ({mode}): your TASKS and reward() with "
             "the rehearsal's settings" + (" if the first samples score differently under it, else a stand-in task"
                                           if reward_source == "auto" else "") + "; --rehearse off trains with your settings")
         return env
-    say(f"rehearsal (--rehearse {'on' if on_local_backend() else 'on, forced'}): "
+    say(f"rehearsal ({mode}): "
         + ("the tiny model's task 'say something' replaces TASKS" if env["env_step"] is None else
-           "calculator episodes scored by 'said something', a first turn without a tool call is reminded")
+           f"{name} episodes scored by 'said something', a first turn without a tool call is reminded"
+           + ("" if name == "calculator" else "; your reward is not trained: define REHEARSAL_TURNS in the EDIT ME "
+              "block to rehearse your env_step() and reward() on scripted turns"))
         + "; --rehearse off trains the example as written")
     if env["env_step"] is None:
         return dict(env, tasks=REHEARSAL_TASKS[:8], eval_tasks=REHEARSAL_TASKS[8:], render_prompt=rehearsal_prompt,
@@ -2348,13 +2374,43 @@ class Rollouts:
         return list(groups)
 
     async def group(self, sampler, task_index, seed, n=None, temperature=None):
-        """One group: the first turn of all its samples in one call, then each episode on its own."""
+        """One group: the first turn of all its samples in one call, then each episode on its own. A scripted
+        rehearsal (env["scripted_turns"]): the first scripted_share() samples play the script instead."""
         prompt = self.job.prompts[task_index]
+        n = n or self.args.group_size
+        script = self.script(task_index)
+        scripted = scripted_share(n) if script else 0
         params = self.params(len(prompt), seed, temperature)
-        response = await self.sample(sampler, prompt, n or self.args.group_size, params)
-        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature)
-                                          for i, seq in enumerate(response.sequences)))
+        firsts = [await self.scripted(sampler, prompt, script[0]) for _ in range(min(scripted, 1))] * scripted
+        if n > scripted:
+            firsts += list((await self.sample(sampler, prompt, n - scripted, params)).sequences)
+        episodes = await asyncio.gather(*(self.episode(sampler, task_index, seed, i, seq, temperature,
+                                                       script if i < scripted else None)
+                                          for i, seq in enumerate(firsts)))
         return Group(task_index, seed, list(episodes))
+
+    def script(self, task_index):
+        """The scripted assistant turns (texts) of a task in a scripted rehearsal, else None."""
+        scripted_turns = self.job.env.get("scripted_turns")
+        if scripted_turns is None:
+            return None
+        task = self.job.tasks[task_index]
+        turns = scripted_turns(task) if callable(scripted_turns) else scripted_turns
+        if not isinstance(turns, (list, tuple)) or not turns or not all(isinstance(t, str) for t in turns):
+            raise DataError(f"REHEARSAL_TURNS gave {type(turns).__name__} for {task_label(self.job.tasks, task_index)}; "
+                            "expected a non-empty list of assistant turn texts")
+        return list(turns)
+
+    async def scripted(self, sampler, observation, text):
+        """A scripted assistant turn as the sampler would return it: the text rendered by the chat template as
+        the next assistant turn (cut after its end-of-turn token), with the sampler's own logprobs of those
+        tokens (compute_logprobs), so the datum trains exactly like a sampled turn."""
+        import tinker
+
+        action = await self.off_loop(self.token_pool, assistant_tokens, self.job.tokenizer, self.job.fmt, text)
+        logprobs = await self.gate.call(sampler.compute_logprobs,
+                                        tinker.ModelInput.from_ints(list(observation) + action))
+        return ScriptedTurn(action, [float(x) for x in logprobs[-len(action):]], "stop")
 
     async def evaluate(self, sampler, k, seed, pass_reward):
         """Held-out tasks: the mean reward of one greedy episode each, and pass@k (the share of tasks where
@@ -2401,8 +2457,9 @@ class Rollouts:
             name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__
             raise DataError(f"{name}() raised on {label}: {type(e).__name__}: {one_line(e, 120)}") from None
 
-    async def episode(self, sampler, task_index, seed, index, first, temperature=None):
-        """Continue one episode from its first sampled turn until the environment says done."""
+    async def episode(self, sampler, task_index, seed, index, first, temperature=None, script=None):
+        """Continue one episode from its first sampled turn until the environment says done (turn k plays
+        script[k] while the script lasts)."""
         job, args = self.job, self.args
         task, env = job.tasks[task_index], job.env
         label = task_label(job.tasks, task_index)
@@ -2411,7 +2468,9 @@ class Rollouts:
         observation, sequence = job.prompts[task_index], first
         turns, total, truncated, info = [], 0.0, False, {}
         for turn_index in range(args.max_turns):
-            if turn_index > 0:
+            if turn_index > 0 and script is not None and turn_index < len(script):
+                sequence = await self.scripted(sampler, observation, script[turn_index])
+            elif turn_index > 0:
                 params = self.params(len(observation), seed + 7919 * index + turn_index, temperature)
                 if params is None:  # no room left in the context window
                     truncated = True
@@ -2440,7 +2499,39 @@ class Rollouts:
             closed = action if action and action[-1] in job.fmt["stop"] else action + job.fmt["stop"][:1]
             new = await self.off_loop(self.token_pool, observation_tokens, job.tokenizer, job.fmt, message)
             observation = observation + closed + new
+        if script is not None:
+            info["scripted_episodes"] = 1
         return Episode(turns, total, truncated, info)
+
+
+@dataclasses.dataclass
+class ScriptedTurn:
+    """A scripted rehearsal turn, shaped like a sampled sequence."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+def scripted_share(group_size):
+    """Samples of a group that play the script in a scripted rehearsal: half (at least 1, at most G - 1), so the
+    script's reward and the sampled episodes' differ and the group trains."""
+    return max(1, min(group_size - 1, group_size // 2))
+
+
+def assistant_tokens(tokenizer, fmt, text):
+    """The tokens of an assistant turn saying `text`, as the chat template renders it after the generation
+    prompt (its end-of-turn token included): what the model would sample to say it."""
+    probe = [{"role": "user", "content": "Hi"}]
+    before = render_text(tokenizer, fmt, probe)
+    after = render_text(tokenizer, fmt, probe + [{"role": "assistant", "content": text}], add_generation_prompt=False)
+    eot = tokenizer.decode([fmt["stop"][0]])
+    if after.startswith(before) and eot in after[len(before):]:
+        body = after[len(before): after.index(eot, len(before)) + len(eot)]
+        tokens = tokenizer.encode(body, add_special_tokens=False)
+    else:  # a template that rewrites the turn: the text itself
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    return tokens if tokens and tokens[-1] in fmt["stop"] else tokens + list(fmt["stop"][:1])
 
 
 def checked_reward(value, label, where="reward()"):
@@ -2599,7 +2690,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 29787e62a8bc) ====
+# ==== END SHARED CODE (sha256 c6f5a802a4af) ====
 
 
 if __name__ == "__main__":

@@ -174,3 +174,11 @@ def test_the_running_cap_does_not_stop_a_run_whose_costs_match_the_estimate(fake
     metered = rows(log / "metrics.jsonl")[-1]["cost/cumulative_usd"]
     est = json.loads((log / "config.json").read_text())["estimate_usd"]
     assert 0 < metered <= est <= 0.5
+
+
+def test_a_scripted_turn_is_the_templates_assistant_turn_closed_by_its_end_of_turn_token(qwen):
+    tok, fmt, _ = qwen
+    text = '<tool_call>\n{"name": "lookup", "arguments": {"item": "figs"}}\n</tool_call>'
+    tokens = tinker_rl.assistant_tokens(tok, fmt, text)
+    assert tokens[-1] == fmt["stop"][0] and tok.decode(tokens[:-1]) == text
+    assert [tinker_rl.scripted_share(g) for g in (2, 3, 4, 8)] == [1, 1, 2, 4]
