@@ -300,6 +300,10 @@ def train_run(args, job, run):
             batch = build_batch(groups, args.normalize_std, it, args.max_staleness)
             if it == 0 and it == start:  # the reward on the first samples, before any training
                 say(reward_summary(groups, "reward() (EDIT ME)" if args.reward == "own" else "the stand-in reward"))
+                own = [e.info["own_reward"] for g in groups for e in g.episodes if "own_reward" in e.info]
+                if args.reward != "own" and own:  # the environment's own reward, beside the stand-in
+                    say(f"beside it, --env {args.env}'s own reward on the same episodes: mean {sum(own) / len(own):.3f}, "
+                        f"max {max(own):.3g} (env/own_reward in metrics.jsonl; the tiny model cannot earn it)")
             floor = it == 0 and batch.tied == len(groups) and args.reward == "own"  # nothing to learn, ever
             fb_metrics = {}
             if batch.datums and not floor:
@@ -835,13 +839,15 @@ def rehearsal_reward(task, completion):
 def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
     """The shipped environment with two rehearsal changes: a first turn without a tool call gets a
     reminder (so episodes have two turns and exercise the multi-turn datum), and the final answer is
-    scored by rehearsal_reward."""
+    scored by rehearsal_reward (the environment's own reward is kept as info own_reward)."""
     if len(conversation) == 1 and "<tool_call>" not in model_turn:
         return {"role": "user", "content": "Use the calculator tool first."}, 0.0, False, {"reminders": 1}
     observation, step_reward, done, *info = shipped_env_step(task, conversation, model_turn, rng)
-    if done:
+    info = dict(info[0] or {}) if info else {}
+    if done:  # the environment's own reward stays visible beside the stand-in: env/own_reward in metrics.jsonl
+        info["own_reward"] = float(step_reward)
         step_reward = rehearsal_reward(task, model_turn)
-    return (observation, step_reward, done, *info)
+    return observation, step_reward, done, info
 
 
 # ==== SHARED CODE (generated from common/: errors, flags, render, run_files, run_record, service, training, onpolicy, rollouts) ====

@@ -127,12 +127,15 @@ def test_calculator_rehearsal_trains_two_turn_episodes(local_tinker, monkeypatch
                                        "3", "--save-every", "1", "--log-path", str(tmp_path / "run"))
     assert code == 0, err
     assert "calculator episodes scored by 'said something'" in err
+    assert "rehearsal (--rehearse auto: on, TINKER_BASE_URL is this machine)" in err
+    assert "beside it, --env calculator's own reward on the same episodes: mean 0.000" in err
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     print("calculator rehearsal reward per iteration:", [m["reward_mean"] for m in metrics],
           "datums:", [m["datums"] for m in metrics])
     assert [m["iteration"] for m in metrics] == [0, 1, 2]
     for m in metrics:
         assert m["turns_mean"] == 2 and m["env/reminders"] == 8 and m["env/answers"] == 8
+        assert m["env/own_reward"] == 0.0  # the calculator's own reward, kept beside the stand-in
         assert m["datums"] == 8 - 4 * m["groups_tied"]  # one datum per episode of an untied group
     assert any(m["datums"] for m in metrics)
     trained = [r for r in rows(tmp_path / "run" / "rollouts.jsonl") if r["trained"]]
