@@ -397,7 +397,8 @@ def rollout_rows(it, groups, batch, tokenizer):
     """One rollouts.jsonl row per episode: exactly the tokens and numbers the update used.
     prompt_tokens + completion_tokens is the episode's sequence (observations included, sampler logprob
     0 there); each turn's observation_tokens are the tokens added before its action (the whole context
-    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained."""
+    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained.
+    Each turn also carries its observation_text and action_text (decoded), for reading one episode."""
     rows = []
     for g, group in enumerate(groups):
         for s, episode in enumerate(group.episodes):
@@ -408,7 +409,8 @@ def rollout_rows(it, groups, batch, tokenizer):
                 extends = k > 0 and turn.observation[: len(context)] == context
                 new = turn.observation[len(context):] if extends else ([] if k == 0 else list(turn.observation))
                 turns.append({"observation_tokens": new, "action_tokens": turn.action, "masked": not trained,
-                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason})
+                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason,
+                              "observation_text": tokenizer.decode(new), "action_text": tokenizer.decode(turn.action)})
                 completion += new + turn.action
                 lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
                 context = (context if extends or k == 0 else []) + new + turn.action

@@ -81,6 +81,9 @@ def parse_args(argv=None):
                     "from the record.")
     p.add_argument("run_dir", metavar="RUN_DIR", help=f"the --log-path of {WRITERS}")
     p.add_argument("--out", default=None, help="HTML file to write (default RUN_DIR/report.html)")
+    p.add_argument("--rollout", type=int, default=None, metavar="N",
+                   help="instead of the page: print rollout N of rollouts.jsonl (0 the first, -1 the last) as text, "
+                        "trained spans marked apart from the prompt and observations, with reward and advantage")
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                    help="rewrite the report every SECONDS until interrupted (the page reloads itself)")
     return p.parse_args(argv)
@@ -97,6 +100,8 @@ def main(argv=None):
                           "--log-path of a run, e.g. python tinker_report.py runs/sft1")
     if args.watch is not None and args.watch <= 0:
         raise ReportError(f"--watch {args.watch:g}: expected a number of seconds above 0, e.g. --watch 30")
+    if args.rollout is not None:
+        return show_rollout(run_dir, args.rollout)
     out = Path(args.out) if args.out else run_dir / "report.html"
     try:
         import plotly  # noqa: F401
@@ -112,6 +117,54 @@ def main(argv=None):
         except KeyboardInterrupt:
             print("--watch stopped; the report holds the record as last read", file=sys.stderr)
     print(json.dumps(summary))
+    return 0
+
+
+TRAINED_MARK = ("[[", "]]")  # around the tokens that carry the advantage in the text view of one rollout
+
+
+def rollout_text(row, index=None, total=None):
+    """One rollouts.jsonl row as text: a header (iteration, task, reward, advantage, trained), the prompt, then per
+    turn the observation added before it and the model's action; trained actions inside [[ ]]."""
+    trained = bool(row.get("trained"))
+    where = f"rollout {index} of {total}: " if index is not None else ""
+    lines = [f"{where}iteration {row.get('iteration')}, task {row.get('task')}, group {row.get('group')}, sample "
+             f"{row.get('sample')} | reward {row.get('reward')} | advantage {row.get('advantage', 0.0):+.4g} | "
+             + ("trained (the [[ ]] spans carry the advantage)" if trained else "not trained (its group tied or "
+                "was dropped): every token masked"),
+             "--- prompt (masked) ---", str(row.get("prompt_text", ""))]
+    turns = row.get("turns") or []
+    if turns and all("action_text" in t for t in turns):
+        for k, turn in enumerate(turns, 1):
+            if k > 1 or turn.get("observation_text"):
+                starts = " (starts a new datum: the whole context)" if turn.get("starts_datum") else ""
+                lines += [f"--- observation before turn {k} (masked){starts} ---", turn.get("observation_text", "")]
+            action = turn["action_text"]
+            marked = f"{TRAINED_MARK[0]}{action}{TRAINED_MARK[1]}" if trained and not turn.get("masked") else action
+            lines += [f"--- turn {k}: the model ({'trained' if trained and not turn.get('masked') else 'masked'}, "
+                      f"stop {turn.get('stop_reason')}) ---", marked]
+    else:  # a trace written before turns carried text: the completion in one piece
+        lines += ["--- completion (observations and actions; this row has no per-turn text) ---",
+                  str(row.get("completion_text", ""))]
+    return "\n".join(lines)
+
+
+def show_rollout(run_dir, n):
+    """--rollout N: one episode as text on stderr, its numbers as the JSON object on stdout."""
+    skipped = {}
+    path = Path(run_dir) / "rollouts.jsonl"
+    rows = read_rows(path, skipped) if path.exists() else []
+    if not rows:
+        raise ReportError(f"{path} holds no rollouts; tinker_rl.py writes them (every --trace-every iterations)")
+    if not -len(rows) <= n < len(rows):
+        raise ReportError(f"--rollout {n}: {path} holds {len(rows)} rollouts; pick 0..{len(rows) - 1} (or -1, the last)")
+    index = n % len(rows)
+    row = rows[index]
+    print(rollout_text(row, index, len(rows)), file=sys.stderr)
+    print(json.dumps({"status": "ok", "rollout": index, "rollouts": len(rows),
+                      **{k: row.get(k) for k in ("iteration", "task", "group", "sample", "reward", "advantage",
+                                                 "trained")},
+                      "turns": len(row.get("turns") or [])}))
     return 0
 
 

@@ -598,7 +598,7 @@ def tied_message(groups, args=None, log_path=None):
         log = short_path(log_path)
         where = (f"; what it sampled is in {os.path.join(log, 'metrics.jsonl')} (iteration 0) and "
                  f"{os.path.join(log, 'rollouts.jsonl')} (every episode, decoded: prompt_text, completion_text), "
-                 f"shown by {script_command('tinker_report.py', log)}")
+                 f"one episode as text: {script_command('tinker_report.py', log, '--rollout', '0')}")
     return (f"{policy} ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
             "no gradient; nothing was trained" + where + ". Ways out: give partial credit in reward() (a score "
             "for the right format, the tool called, a near answer), make the tasks easier (reward floor) or harder "
@@ -2596,7 +2596,8 @@ def rollout_rows(it, groups, batch, tokenizer):
     """One rollouts.jsonl row per episode: exactly the tokens and numbers the update used.
     prompt_tokens + completion_tokens is the episode's sequence (observations included, sampler logprob
     0 there); each turn's observation_tokens are the tokens added before its action (the whole context
-    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained."""
+    when the turn starts a new datum), always masked; an action is masked when its rollout is not trained.
+    Each turn also carries its observation_text and action_text (decoded), for reading one episode."""
     rows = []
     for g, group in enumerate(groups):
         for s, episode in enumerate(group.episodes):
@@ -2607,7 +2608,8 @@ def rollout_rows(it, groups, batch, tokenizer):
                 extends = k > 0 and turn.observation[: len(context)] == context
                 new = turn.observation[len(context):] if extends else ([] if k == 0 else list(turn.observation))
                 turns.append({"observation_tokens": new, "action_tokens": turn.action, "masked": not trained,
-                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason})
+                              "starts_datum": k > 0 and not extends, "stop_reason": turn.stop_reason,
+                              "observation_text": tokenizer.decode(new), "action_text": tokenizer.decode(turn.action)})
                 completion += new + turn.action
                 lps += [0.0] * len(new) + [float(x) for x in turn.logprobs]
                 context = (context if extends or k == 0 else []) + new + turn.action
@@ -2696,7 +2698,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 c6f5a802a4af) ====
+# ==== END SHARED CODE (sha256 d59bda2df56a) ====
 
 
 if __name__ == "__main__":

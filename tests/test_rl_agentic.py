@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import tinker_report
 import tinker_rl
 from rl_inventory import inventory_script
 
@@ -109,6 +110,17 @@ def test_floor_check_writes_the_iterations_row_and_decoded_rollouts_before_it_st
     assert len(trace) == 6 and all(r["iteration"] == 0 and not r["trained"] for r in trace)
     assert all(r["completion_text"] for r in trace) and "What is" in trace[0]["prompt_text"]
     assert not (log / "checkpoints.jsonl").exists()
+    assert all(t["action_text"] and "observation_text" in t for r in trace for t in r["turns"])
+    # the rollout viewer shows one of them as text
+    assert tinker_report.cli([str(log), "--rollout", "-1"]) == 0
+    out = capsys.readouterr()
+    shown = json.loads(out.out)
+    assert shown["rollout"] == 5 and shown["reward"] == 0.0 and shown["trained"] is False
+    assert out.err.startswith("rollout 5 of 6: iteration 0, task ")
+    assert "not trained" in out.err and "--- prompt (masked) ---" in out.err and "What is" in out.err
+    assert "[[" not in out.err and trace[-1]["turns"][0]["action_text"] in out.err
+    assert tinker_report.cli([str(log), "--rollout", "6"]) == 2
+    assert "--rollout 6: " in capsys.readouterr().err
 
 
 def settled(*argv):

@@ -69,6 +69,15 @@ def test_tool_environment_rehearses_with_scripted_tool_calls_parsed_and_observat
         assert f"<tool_response>\n{inventory[item]}\n</tool_response>" in r["completion_text"]
         assert r["trained"] and r["advantage"] > 0
 
+    # the rollout viewer: the scripted episode as text, the trained tool call and answer marked apart
+    import tinker_report
+    first = next(i for i, r in enumerate(trace) if r["sample"] == 0)
+    assert tinker_report.cli([str(log), "--rollout", str(first)]) == 0
+    shown = capsys.readouterr().err
+    assert "| reward 1.0 | advantage +" in shown and "--- turn 1: the model (trained" in shown
+    assert '[[<tool_call>\n{"name": "lookup"' in shown and "--- observation before turn 2 (masked) ---" in shown
+    assert "<tool_response>" in shown.split("--- observation before turn 2 (masked) ---")[1].split("--- turn 2")[0]
+
     # the datums: one per episode of an untied group; in a scripted one, the observation (the tool's reply) and
     # the prompt carry advantage 0 and the scripted tokens the episode's advantage with the sampler's logprobs
     tok = rl.load_tokenizer(str(local_tinker.tokenizer_dir))
