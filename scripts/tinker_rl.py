@@ -155,6 +155,9 @@ def parse_args(argv=None):
     p.add_argument("--max-usd", type=float, default=None,
                    help="stop before training if the estimate is above; during the run, save and stop (exit 3) "
                         "before an iteration whose estimate would take the metered cost above it")
+    p.add_argument("--estimate-from", default=None, metavar="RUN_DIR",
+                   help="price with the turns, sampled tokens per turn and observation tokens measured in "
+                        "RUN_DIR/rollouts.jsonl (e.g. a short run or a rehearsal) instead of the upper bounds")
     p.add_argument("--dry-run", action="store_true", help="render and check, no Tinker call")
     p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
@@ -411,7 +414,8 @@ def dry_run(args, job):
     emit({"status": "dry_run", "tasks": job.n_train, "eval_tasks": len(job.tasks) - job.n_train, "env": args.env,
           "prompt_tokens": {"min": min(lengths), "mean": round(sum(lengths) / len(lengths), 1), "max": max(lengths)},
           "max_tokens": args.max_tokens, "loss_fn": args.loss_fn, "loss_fn_config": job.loss_config,
-          "estimate_usd": (est or {}).get("usd", {}).get("total") if est else None, "format": job.fmt})
+          "estimate_usd": (est or {}).get("usd", {}).get("total") if est else None,
+          "estimate_assumptions": estimate_assumptions(args, job), "format": job.fmt})
     return 0
 
 
@@ -548,6 +552,8 @@ def estimate_cost(args, job, context_window, start=0):
     pricing = load_pricing()
     remaining = max(0, args.iterations - start)
     tokens = estimate_tokens(args, job, pricing, remaining) if pricing else {}
+    if pricing:
+        say_assumptions(args, job)
     label = "rl" if not start else f"rl, remaining {remaining} of {args.iterations} iterations after --resume"
     return estimate(args.model_name, tokens, args.max_usd, label=label, context=context_window)
 
@@ -581,13 +587,63 @@ def over_budget(args, run, tc, job, it, spent, next_usd):
         "command plus --resume and a higher --max-usd (or fewer --iterations)")
 
 
+# The estimate's assumption for a multi-turn episode's observations (a tool result, a user reply) without
+# --estimate-from: tokens added before each later turn.
+ASSUMED_OBSERVATION_TOKENS = 64
+
+
+def estimate_assumptions(args, job):
+    """What the cost estimate assumes per episode: turns, sampled tokens per turn, observation tokens before each
+    later turn, and where the numbers come from (upper bounds, or measured with --estimate-from)."""
+    multi = job.env["env_step"] is not None
+    out = {"turns": args.max_turns if multi else 1, "completion_tokens": args.max_tokens,
+           "observation_tokens": ASSUMED_OBSERVATION_TOKENS if multi and args.max_turns > 1 else 0,
+           "prompt_tokens": sum(map(len, job.prompts)) / len(job.prompts),
+           "source": "upper bounds: --max-turns turns, --max-tokens per turn"
+                     + (f", {ASSUMED_OBSERVATION_TOKENS} observation tokens assumed" if multi else "")
+                     + "; measure them with --estimate-from RUN_DIR"}
+    if args.estimate_from:
+        out.update(measured_assumptions(args.estimate_from))
+    return out
+
+
+def measured_assumptions(run_dir):
+    """Turns per episode, sampled tokens per turn and observation tokens per later turn in RUN_DIR/rollouts.jsonl."""
+    path = os.path.join(run_dir, "rollouts.jsonl")
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn last line
+    except OSError as e:
+        raise DataError(f"--estimate-from {run_dir}: cannot read {path} ({e.strerror}); pass the --log-path of a "
+                        "tinker_rl.py run that wrote rollouts (--trace-every 1)") from None
+    turns = [r["turns"] for r in rows if isinstance(r, dict) and r.get("turns")]
+    if not turns:
+        raise DataError(f"--estimate-from {run_dir}: {path} holds no rollouts with turns; pass the --log-path of a "
+                        "tinker_rl.py run that wrote rollouts (--trace-every 1)")
+    actions = [len(t["action_tokens"]) for ts in turns for t in ts]
+    later = [len(t["observation_tokens"]) for ts in turns for t in ts[1:]]
+    return {"turns": sum(map(len, turns)) / len(turns), "completion_tokens": sum(actions) / len(actions),
+            "observation_tokens": sum(later) / len(later) if later else 0,
+            "source": f"measured on {len(turns)} episodes of {path}"}
+
+
 def estimate_tokens(args, job, pricing, iterations):
-    """Tokens of `iterations` iterations as tinker_pricing.rl_tokens counts them: every turn samples --max-tokens
-    (an upper bound), a multi-turn episode runs --max-turns turns with 64 observation tokens before each later one."""
-    turns = args.max_turns if job.env["env_step"] else 1
-    avg_prompt = sum(map(len, job.prompts)) / len(job.prompts)
-    return pricing.rl_tokens(iterations, args.batch_size, args.group_size, avg_prompt, args.max_tokens,
-                             turns=turns, avg_observation=64 if turns > 1 else 0)
+    """Tokens of `iterations` iterations as tinker_pricing.rl_tokens counts them, under estimate_assumptions()."""
+    a = estimate_assumptions(args, job)
+    return pricing.rl_tokens(iterations, args.batch_size, args.group_size, a["prompt_tokens"], a["completion_tokens"],
+                             turns=a["turns"], avg_observation=a["observation_tokens"] if a["turns"] > 1 else 0)
+
+
+def say_assumptions(args, job):
+    a = estimate_assumptions(args, job)
+    say(f"estimate assumes per episode: {a['turns']:.3g} turn(s), {a['completion_tokens']:.4g} sampled tokens per "
+        f"turn, {a['observation_tokens']:.4g} observation tokens before each later turn, a {a['prompt_tokens']:.0f}-token "
+        f"prompt (mean) ({a['source']})")
 
 
 def tied_message(groups, args=None, log_path=None):

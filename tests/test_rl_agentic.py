@@ -194,3 +194,27 @@ def test_a_scripted_turn_is_the_templates_assistant_turn_closed_by_its_end_of_tu
     tokens = tinker_rl.assistant_tokens(tok, fmt, text)
     assert tokens[-1] == fmt["stop"][0] and tok.decode(tokens[:-1]) == text
     assert [tinker_rl.scripted_share(g) for g in (2, 3, 4, 8)] == [1, 1, 2, 4]
+
+
+def test_the_estimate_prints_its_assumptions_and_takes_them_from_measured_rollouts(qwen, tmp_path):
+    _, _, path = qwen
+    measured = tmp_path / "measured"
+    measured.mkdir()
+    turn = lambda obs, act: {"observation_tokens": [1] * obs, "action_tokens": [2] * act}  # noqa: E731
+    episodes = [[turn(50, 20), turn(12, 10)], [turn(50, 30)], [turn(50, 20), turn(20, 20)]]
+    (measured / "rollouts.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in episodes) + '{"torn')
+    script = tinker_rl.__file__
+    bound = run_script(script, "--dry-run", "--tokenizer", path, "--env", "calculator", cwd=tmp_path)
+    assert bound.returncode == 0, bound.stderr
+    assert ("estimate assumes per episode: 4 turn(s), 256 sampled tokens per turn, 64 observation tokens before "
+            "each later turn") in bound.stderr and "--estimate-from RUN_DIR" in bound.stderr
+    out = run_script(script, "--dry-run", "--tokenizer", path, "--env", "calculator", "--estimate-from", str(measured),
+                     cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assumed = json.loads(out.stdout)["estimate_assumptions"]
+    assert (assumed["turns"], assumed["completion_tokens"], assumed["observation_tokens"]) == (5 / 3, 20, 16)
+    assert f"measured on 3 episodes of {measured / 'rollouts.jsonl'}" in out.stderr
+    assert 0 < json.loads(out.stdout)["estimate_usd"] < json.loads(bound.stdout)["estimate_usd"] / 5
+    missing = run_script(script, "--dry-run", "--tokenizer", path, "--estimate-from", str(tmp_path / "nope"),
+                         cwd=tmp_path)
+    assert missing.returncode == 2 and "--estimate-from" in missing.stderr and "Traceback" not in missing.stderr
