@@ -105,12 +105,18 @@ RESUME_KEYS = ("env", "rehearse", "model_name", "lora_rank", "learning_rate", "l
                "seed", "tasks_sha256", "init_from", "reward")
 
 
+def edit_me(name, default=None):
+    """A setting of the EDIT ME block, or `default` when the block does not define it (an older block)."""
+    return globals().get(name, default)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="RL with group-relative advantages on Tinker (single-turn or multi-turn tool use).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--env", choices=tuple(dict.fromkeys((ENV_NAME, "single", "calculator"))), default=ENV_NAME,
-                   help=f"{ENV_NAME}: the EDIT ME block's environment (ENV_NAME; 'single' is another name for it); "
+    name = edit_me("ENV_NAME", "single")
+    p.add_argument("--env", choices=tuple(dict.fromkeys((name, "single", "calculator"))), default=name,
+                   help=f"{name}: the EDIT ME block's environment (ENV_NAME; 'single' is another name for it); "
                         "calculator: the multi-turn tool-use example")
     p.add_argument("--rehearse", choices=("auto", "on", "off"), default="auto",
                    help="the tiny-model rehearsal task and settings; auto: on when TINKER_BASE_URL is this machine")
@@ -169,22 +175,24 @@ def parse_args(argv=None):
         args = p.parse_args(argv)
         args.rehearse_flag, args.rehearse = args.rehearse, True
     if args.env == "single":
-        args.env = ENV_NAME  # the EDIT ME block's environment, by its old name
+        args.env = name  # the EDIT ME block's environment, by its old name
     # Which reward trains: "own" (reward()/env_step() of the EDIT ME block), "stand-in" (the rehearsal's task),
     # or "auto" (a single-turn rehearsal without --init-from: own if it tells the first samples apart).
     if not args.rehearse:
         args.reward = "own"
-    elif args.env == ENV_NAME and globals().get("REHEARSAL_TURNS") is not None:
+    elif args.env == name and edit_me("REHEARSAL_TURNS") is not None:
         args.reward = "own"  # a scripted rehearsal: your env_step()/reward() on scripted and sampled episodes
-    elif args.env != ENV_NAME or env_step is not None:
+    elif args.env != name or env_step is not None:
         args.reward = "stand-in"  # multi-turn: the rehearsal scores the shipped environment's answers
     else:  # "auto" samples before the budget check: only where sampling is free (the local backend)
         args.reward = "own" if args.init_from else "auto" if on_local_backend() else "stand-in"
     return args
 
 
-# ==== EDIT ME: ENV_NAME, TASKS, TOOLS, SYSTEM_PROMPT, render_prompt(), reward(), env_step() ====
-# Everything an environment is lives here; nothing outside this block needs an edit for a new one.
+# ==== EDIT ME: TASKS, render_prompt(), reward(), env_step(), ENV_NAME, TOOLS, SYSTEM_PROMPT, REHEARSAL_TURNS ====
+# Everything an environment is lives here; nothing outside this block needs an edit for a new one. A block
+# written before ENV_NAME, TOOLS, SYSTEM_PROMPT and REHEARSAL_TURNS existed still runs (they default to
+# "single", None, None, None).
 # Single-turn example: multiply two numbers in one reply. Qwen3-8B gets some but not all right, so
 # groups disagree and there is a gradient (a task every sample passes, or every sample fails, teaches
 # nothing: the script stops if the base policy ties every group).
@@ -834,13 +842,14 @@ def load_env(name, rehearse=False, reward_source="stand-in", flag="on"):
         env = dict(tasks=CALCULATOR_TASKS[:56], eval_tasks=CALCULATOR_TASKS[56:], render_prompt=calculator_render_prompt,
                    reward=calculator_reward, env_step=calculator_env_step, tools=CALCULATOR_TOOLS)
     else:
-        env = dict(tasks=TASKS, eval_tasks=EVAL_TASKS, render_prompt=with_system_prompt(render_prompt, SYSTEM_PROMPT),
-                   reward=reward, env_step=env_step, tools=TOOLS or None)
+        env = dict(tasks=TASKS, eval_tasks=EVAL_TASKS,
+                   render_prompt=with_system_prompt(render_prompt, edit_me("SYSTEM_PROMPT")),
+                   reward=reward, env_step=env_step, tools=edit_me("TOOLS") or None)
     if not rehearse:
         return env
     mode = (f"--rehearse {flag}" + (": on, TINKER_BASE_URL is this machine" if flag == "auto" else "")
             + ("" if on_local_backend() else ", forced"))
-    scripted = globals().get("REHEARSAL_TURNS") if name != "calculator" else None
+    scripted = edit_me("REHEARSAL_TURNS") if name != "calculator" else None
     if scripted is not None:
         share = scripted_share(REHEARSAL_SETTINGS["group_size"])
         say(f"rehearsal ({mode}): your environment '{name}' from the EDIT ME block ({tools_named(env['tools'])}); in "

@@ -218,3 +218,29 @@ def test_the_estimate_prints_its_assumptions_and_takes_them_from_measured_rollou
     missing = run_script(script, "--dry-run", "--tokenizer", path, "--estimate-from", str(tmp_path / "nope"),
                          cwd=tmp_path)
     assert missing.returncode == 2 and "--estimate-from" in missing.stderr and "Traceback" not in missing.stderr
+
+
+OLDER_BLOCK = '''# ==== EDIT ME: TASKS, render_prompt(), reward(), env_step() ====
+TASKS, EVAL_TASKS = [{"q": "2+2", "answer": 4}], []
+PASS_REWARD = 1.0
+
+
+def render_prompt(task):
+    return [{"role": "user", "content": f"What is {task['q']}?"}]
+
+
+def reward(task, completion):
+    return float(str(task["answer"]) in completion)
+
+
+env_step = None
+
+# ==== END OF EDIT ME ===='''
+
+
+def test_a_block_written_before_env_name_tools_and_rehearsal_turns_still_runs(qwen, tmp_path):
+    _, _, path = qwen
+    script = inventory_script(tmp_path / "project", OLDER_BLOCK)
+    out = run_script(script, "--dry-run", "--tokenizer", path, "--env", "single", cwd=tmp_path / "project")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["env"] == "single" and "What is 2+2?" in out.stderr and "<tools>" not in out.stderr
