@@ -84,7 +84,7 @@ def test_default_rehearsal_runs_every_iteration_with_reward_rising(local_tinker,
     out = subprocess.run([sys.executable, tinker_rl.__file__, "--log-path", str(tmp_path / "run")],
                          env=local_tinker.env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
-    assert "rehearsal (--rehearse on)" in out.stderr
+    assert "rehearsal (--rehearse auto: on, TINKER_BASE_URL is this machine)" in out.stderr
     metrics = rows(tmp_path / "run" / "metrics.jsonl")
     means = [m["reward_mean"] for m in metrics]
     print("rehearsal reward per iteration:", means)
