@@ -245,3 +245,13 @@ def test_a_named_figure_has_one_value_and_one_home(name):
     statements = [s for s in named_figure_statements(name) if not other_measurement(s)]
     problems = named_figure_problems(name, statements)
     assert not problems, "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- 3. README's layout
+
+def test_readme_layout_names_every_script_and_reference():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    missing = [p.name for p in [*sorted((ROOT / "scripts").glob("*.py")), *sorted(REFERENCES.glob("*.md"))]
+               if p.name not in layout]
+    assert not missing, f"README.md's Layout table does not name: {', '.join(missing)}"
