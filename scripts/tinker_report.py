@@ -545,7 +545,7 @@ def render_page(run, watch=None):
 
     figs = figures(run)
     cfg = run["config"]
-    title = f"{run['kind'].upper()} run {run['dir'].resolve().name}"
+    title = f"{KINDS[run['kind']][1]} run {run['dir'].resolve().name}"
     status = ("in progress (a script holds the folder's lock and is writing it)" if run["in_progress"] else
               "finished (final checkpoint saved)" if run["finished"] else
               "stopped before its final checkpoint (nothing is writing it: continue with the same command plus --resume)")

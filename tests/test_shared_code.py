@@ -294,6 +294,8 @@ def dry_runs(tok):
         "tinker_infer.py": ("--dry-run", ["--dry-run", "--prompt", "hi", "--tokenizer", tok], "dry_run"),
         # no dry run: resolving a run record's checkpoint reads the record offline, no Tinker call
         "tinker_checkpoints.py": ("merge", ["resolve", "runs/sft", "--kind", "sampler"], None),
+        # no dry run either: the report of a run record, written offline (plotly is its one dependency)
+        "tinker_report.py": ("--watch", ["runs/sft"], "ok"),
     }
 
 
@@ -335,6 +337,9 @@ def test_a_script_copied_into_an_empty_folder_runs_help_and_its_dry_run(script, 
         assert "tinker://r/sampler_weights/final" in out.stdout
         return
     assert result["status"] == status
+    if script == "tinker_report.py":  # prices nothing: the page of the finished run, beside it
+        assert result["kind"] == "sft" and (project / "runs" / "sft" / "report.html").is_file()
+        return
     unpriced = "no dollar estimate: tinker_pricing.py is not beside this script" in out.stderr
     assert unpriced is not with_pricing, out.stderr[-2000:]
     cost = result.get("cost", result.get("estimate_usd"))
