@@ -63,9 +63,17 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
                                  completes futures, not only every 50 ms        none known
      sqlite_fsync_every_commit   SQLite synchronous=NORMAL (WAL): no fsync per commit  none known
 
+  G. Memory (TINKER_LOCAL_MICRO_BATCH_TOKENS=N sets the budget, default 512 padded tokens; 0 turns G off)
+     model_passes_hold_the_whole_batchs_logits  forward, forward_backward and sampling run in
+                                 micro-batches of at most N padded tokens (skyrl's gradient
+                                 accumulation: the same losses and logprobs as one batch); a
+                                 sequence longer than N recomputes its LM-head chunks in the
+                                 backward pass; an out-of-memory error names the limit and what
+                                 to lower                                       none known
+
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
-TINKER_LOCAL_MAX_CONTEXT); optional TINKER_LOCAL_SPEED=0 (E off) and TINKER_LOCAL_PROFILE=FILE
+TINKER_LOCAL_MAX_CONTEXT); optional TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
 (both processes append one JSON line per request event: benchmarks/local_backend_profile.py).
 """
 from __future__ import annotations
@@ -374,12 +382,14 @@ def apply_engine_shims() -> None:
     from skyrl.tinker.db_models import SessionDB
     from sqlmodel import Session, update
 
+    shim_micro_batches(jax_backend)  # G first: F's wrappers call through it
     if speed_enabled():
         shim_slot_local_training(jax_backend)
         shim_unpadded_loss_chunks()
         shim_sampling_shape_buckets()
         shim_sqlite_commits(engine)
         shim_wakeups_engine(engine)
+    shim_long_sequence_remat()
     model_pass = jax_backend.JaxBackendImpl._model_pass
     create_model = jax_backend.JaxBackendImpl.create_model
     run = engine.TinkerEngine.run
@@ -579,6 +589,7 @@ def apply_engine_shims() -> None:
                     results.update(sample_in_slots(self.engine, valid, prepared))
                     engine.logger.info(f"sampled beside training: {len(valid)} request(s) in "
                                        f"{time.monotonic() - t0:.2f}s")
+
             except Exception as e:  # noqa: BLE001 - a failed batch fails its futures, not the engine
                 engine.logger.exception(f"Error processing sample batch: {e}")
                 results.update({rid: types.ErrorResponse(error=str(e), status="failed")
@@ -1459,6 +1470,151 @@ def shim_wakeups_engine(engine) -> None:
     TinkerEngine.process_pending_requests = process_until_woken
 
 
+# ---------------------------------------------------------------- G. memory (issue 33)
+# skyrl runs a forward_backward over the whole request batch at once, and its chunked LM head keeps
+# every chunk's full-vocabulary logits for the backward pass: 128 sequences x ~260 tokens asked for
+# 33.6 GB ("RESOURCE_EXHAUSTED: Out of memory allocating 33618728856 bytes"). G cuts each batch into
+# micro-batches of at most TINKER_LOCAL_MICRO_BATCH_TOKENS padded tokens (skyrl's own gradient-
+# accumulation loop: per-sequence losses summed, gradients summed, one optim_step mean), recomputes a
+# chunk's logits in the backward pass when one sequence alone is longer than the budget, and samples
+# in row groups under the same budget. Losses and logprobs are the unsplit call's (tested).
+
+MICRO_BATCH_TOKENS_ENV = "TINKER_LOCAL_MICRO_BATCH_TOKENS"
+DEFAULT_MICRO_BATCH_TOKENS = 512  # 128 x 1,024 tokens: engine peak measured in setup.md "Memory"
+SAMPLE_TOKENS_PER_BUDGET = 16  # sampling without prompt logprobs keeps no logits per prompt token
+
+
+def micro_batch_tokens() -> int:
+    """The budget in padded tokens per micro-batch; 0 turns G off (skyrl's one batch)."""
+    raw = os.environ.get(MICRO_BATCH_TOKENS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MICRO_BATCH_TOKENS
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"{MICRO_BATCH_TOKENS_ENV}={raw}: expected 0 (off) or a positive number of tokens")
+    return value
+
+
+def micro_batch_rows(padded_len: int, total: int, budget: int) -> int:
+    """Sequences per micro-batch: the most that fit `budget` padded tokens (at least one), rounded down
+    to a power of two so a few shapes compile; the whole batch when it fits or when budget is 0."""
+    if budget <= 0 or total * padded_len <= budget:
+        return total
+    rows = max(1, budget // max(1, padded_len))
+    return min(total, 1 << (rows.bit_length() - 1))
+
+
+def out_of_memory_message(error: str, seqs: int, padded_len: int, rows: int, budget: int, what: str) -> str:
+    """One line for an out-of-memory failure: what was asked, the limit, what to lower."""
+    first = error.strip().splitlines()[0][:200] if error.strip() else "out of memory"
+    return (f"the local backend ran out of memory in {what} of {seqs} sequence(s) padded to {padded_len} tokens "
+            f"(micro-batches of {rows} sequence(s); {MICRO_BATCH_TOKENS_ENV}={budget}): restart the server with a "
+            f"smaller {MICRO_BATCH_TOKENS_ENV} (e.g. {max(64, budget // 4) if budget else 512}), or send shorter "
+            f"sequences (the script's max tokens) or fewer per call (its batch or group size); no checkpoint was "
+            f"changed by this call. XLA said: {first}")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
+def shim_micro_batches(jax_backend) -> None:
+    """G. Micro-batch model passes and sampling under a token budget (see the section comment)."""
+    from skyrl.tx.utils.models import round_up_seq_len
+
+    Impl = jax_backend.JaxBackendImpl
+    assert "self._micro_batch_size(total_bs)" in inspect.getsource(Impl._model_pass), "skyrl's model pass changed"
+    assert "self.config.sample_max_num_sequences" in inspect.getsource(Impl.sample), "skyrl's sampler changed"
+    budget = micro_batch_tokens()
+    model_pass, sample, micro_batch_size = Impl._model_pass, Impl.sample, Impl._micro_batch_size
+
+    def model_pass_in_micro_batches(self, prepared_batch, model_pass_fn):
+        lengths = [len(t) for t in prepared_batch.all_targets]
+        if not lengths:
+            return model_pass(self, prepared_batch, model_pass_fn)
+        padded = round_up_seq_len(max(lengths))
+        rows = micro_batch_rows(padded, len(lengths), budget)
+        if rows < len(lengths):
+            jax_backend.logger.info(f"micro-batches: {len(lengths)} sequences padded to {padded} tokens, "
+                                    f"{rows} at a time ({MICRO_BATCH_TOKENS_ENV}={budget})")
+        self.__dict__["_micro_rows"] = rows
+        try:
+            return model_pass(self, prepared_batch, model_pass_fn)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise MemoryError(out_of_memory_message(str(exc), len(lengths), padded, rows, budget,
+                                                        "forward/forward_backward")) from None
+            raise
+        finally:
+            self.__dict__.pop("_micro_rows", None)
+
+    def micro_batch_size_for_this_pass(self, total):
+        rows = self.__dict__.get("_micro_rows")
+        return micro_batch_size(self, total) if rows is None else max(1, min(rows, total))
+
+    def sample_in_row_groups(self, prepared_batch):
+        lengths = [sum(len(c.tokens) for c in m.chunks) for m in prepared_batch.all_model_inputs]
+        if not lengths or budget <= 0 or self.config.sample_max_num_sequences > 0:
+            return sample(self, prepared_batch)
+        new = max((p.max_tokens or 0) for p in prepared_batch.all_sampling_params)
+        padded = round_up_seq_len(max(lengths) + new)
+        # prompt logprobs keep [rows, prompt, vocab] logits; without them a row costs its attention and cache
+        limit = budget if prepared_batch.needs_prompt_logprobs else budget * SAMPLE_TOKENS_PER_BUDGET
+        rows = micro_batch_rows(padded, len(lengths), limit)
+        if rows >= len(lengths):
+            return sample(self, prepared_batch)
+        jax_backend.logger.info(f"micro-batches: sampling {len(lengths)} rows of up to {padded} tokens, {rows} at a time")
+        self.config.sample_max_num_sequences = rows
+        try:
+            return sample(self, prepared_batch)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise MemoryError(out_of_memory_message(str(exc), len(lengths), padded, rows, budget, "sampling"))
+            raise
+        finally:
+            self.config.sample_max_num_sequences = 0
+
+    Impl._model_pass = model_pass_in_micro_batches
+    Impl._micro_batch_size = micro_batch_size_for_this_pass
+    Impl.sample = sample_in_row_groups
+
+
+def shim_long_sequence_remat() -> None:
+    """G. A sequence longer than the budget is one micro-batch of its own: its LM-head chunks are recomputed
+    in the backward pass. Applied after F, whose chunk shim it wraps."""
+    import jax
+    import jax.numpy as jnp
+    from skyrl.tx.utils.logits_processor import LogitsProcessorMixin
+
+    budget = micro_batch_tokens()
+    chunked = LogitsProcessorMixin._compute_chunked_logprobs
+
+    def chunked_with_remat(self, hidden_states, target_ids, chunk_size, adapter_indices):
+        """One sequence longer than the budget: chunks of the budget whose logits are recomputed in the
+        backward pass instead of kept (skyrl's chunk loop, with jax.checkpoint on each chunk)."""
+        B, T, H = hidden_states.shape
+        chunk = min(chunk_size, budget) if budget > 0 else chunk_size
+        if budget <= 0 or B * T <= chunk or self.get_model_config().gradient_checkpointing:
+            return chunked(self, hidden_states, target_ids, chunk_size, adapter_indices)
+        lm_head, total = self.get_lm_head(), B * T
+        count = -(-total // chunk)
+        pad = count * chunk - total
+        adapters = jnp.zeros(total, jnp.int32) if adapter_indices is None else jnp.repeat(adapter_indices, T)
+        hidden = jnp.pad(hidden_states.reshape(-1, H), ((0, pad), (0, 0))).reshape(count, chunk, H)
+        targets = jnp.pad(target_ids.reshape(-1), (0, pad)).reshape(count, chunk)
+        adapters = jnp.pad(adapters, (0, pad)).reshape(count, chunk)
+
+        @jax.checkpoint
+        def one_chunk(args):
+            h, t, a = args
+            return LogitsProcessorMixin.logits_to_logprobs(lm_head(h, a), t)
+
+        return jax.lax.map(one_chunk, (hidden, targets, adapters)).reshape(-1)[:total].reshape(B, T)
+
+    LogitsProcessorMixin._compute_chunked_logprobs = chunked_with_remat
+
+
 # ---------------------------------------------------------------- profile probes (benchmarks only)
 # With TINKER_LOCAL_PROFILE=FILE both processes append one JSON line per event to FILE (wall clock,
 # same machine): benchmarks/local_backend_profile.py joins them by request id into where a call's
@@ -1646,6 +1802,7 @@ def gaps_still_open() -> dict[str, bool]:
     from skyrl.tinker import api, types
     from skyrl.tinker.config import EngineConfig
     from skyrl.tinker.db_models import SessionDB
+    from skyrl.backends.jax import JaxBackendConfig
     from skyrl.tinker.db_models import enable_sqlite_wal
     from skyrl.tinker.engine import TinkerEngine
     from skyrl.tx.utils.generator import GeneratorMixin
@@ -1692,6 +1849,9 @@ def gaps_still_open() -> dict[str, bool]:
         "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
         "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
             in inspect.getsource(GeneratorMixin.generate),
+        "model_passes_hold_the_whole_batchs_logits": JaxBackendConfig.model_fields["train_micro_batch_size"].default
+            == 0 and "jax.checkpoint" not in inspect.getsource(LogitsProcessorMixin._compute_chunked_logprobs).split(
+                "if self.get_model_config().gradient_checkpointing")[0],
     }
 
 
