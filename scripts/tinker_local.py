@@ -86,8 +86,8 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 API_KEY = "tml-local"  # the SDK accepts any key that starts with "tml-"
 BANNER = ("local rehearsal: a tiny random model stands in for {model}; "
           "losses and samples are not those of {model}")
-TEACHER_BANNER = ("local rehearsal: another tiny random model (3 layers, seed 1) stands in for {model}, "
-                  "for sampling only (a teacher); its samples are not those of {model}")
+TEACHER_BANNER = ("local rehearsal: another tiny model (3 layers, pre-trained on the example conversations) "
+                  "stands in for {model}, for sampling only (a teacher); its samples are not those of {model}")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-local"
 DEFAULT_HOME = REPO / ".cache" / "tinker-local"
@@ -142,11 +142,13 @@ TINY_QWEN3 = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_
 # pairs exactly (benchmarks/local_rehearsal_learning.py). Changing either value changes the
 # fingerprint, so `setup` rebuilds a model cached by an older setup.
 TINY_FINAL_NORM_WEIGHT = 20.0
-# The teacher: a different tiny Qwen3 (3 layers, torch seed 1, same tokenizer) served, sampling only,
-# under every --also-serve name, so a distillation rehearsal has a teacher that samples differently
-# from the student. Built on first use (a few seconds), kept beside the tiny model.
+# The teacher: a different tiny Qwen3 (3 layers, torch seed 1, same tokenizer, pre-trained on the example
+# conversations) served, sampling only, under every --also-serve name, so a distillation rehearsal has a
+# teacher that samples differently from the student. Built on first use, kept beside the tiny model.
 TEACHER_QWEN3 = dict(TINY_QWEN3, num_hidden_layers=3)
 TEACHER_SEED = 1
+TEACHER_DATA = "sft_example.jsonl"  # in templates/: what the teacher is pre-trained on
+TEACHER_PRETRAIN = {"steps": 60, "batch": 8, "learning_rate": 3e-3}
 ALSO_SERVE_ENV = "TINKER_LOCAL_ALSO_SERVE"  # comma-separated names, the default of --also-serve
 SERVER = Path(__file__).resolve().parent / "tinker_local_server.py"  # runs in the server venv
 
@@ -183,16 +185,24 @@ def teacher_model_dir(home: Path) -> Path:
 
 
 def teacher_model_spec() -> dict:
+    """The teacher: TEACHER_QWEN3 at seed 1, pre-trained (full parameters) on the bundle's example
+    conversations (templates/sft_example.jsonl), so it writes English where the random student repeats
+    tokens; without the file beside the bundle it stays random (a different fingerprint)."""
     spec = {"config": TEACHER_QWEN3, "final_norm_weight": TINY_FINAL_NORM_WEIGHT, "seed": TEACHER_SEED}
+    data = REPO / "templates" / TEACHER_DATA
+    if data.is_file():
+        conversations = [json.loads(line)["messages"] for line in data.read_text().splitlines() if line.strip()]
+        spec["pretrain"] = {"conversations": conversations, **TEACHER_PRETRAIN}
     return {"key": hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16], **spec}
 
 
 def ensure_teacher_model(venv: Path, home: Path) -> Path:
-    """The teacher model folder, built (seconds, once per cache folder) if missing or stale."""
+    """The teacher model folder, built (~2 minutes of CPU, once per cache folder) if missing or stale."""
     teacher, spec = teacher_model_dir(home), teacher_model_spec()
     with _locked(home):
         if _load_state(teacher / "tinker-local-model.json").get("config") != spec["key"]:
-            say("building the tiny teacher model (3 layers, seed 1) for --also-serve ...")
+            say("building the tiny teacher model (3 layers, seed 1, pre-trained on the example conversations) "
+                "for --also-serve ...")
             logs = home / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             _run_step("build teacher model", [str(venv_python(venv)), str(SERVER), "build-model", str(teacher),

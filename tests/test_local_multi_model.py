@@ -103,3 +103,6 @@ def test_also_serve_is_a_flag_of_serve_and_run_with_an_env_default():
     assert spec["config"]["num_hidden_layers"] != tinker_local.TINY_QWEN3["num_hidden_layers"]
     assert spec["key"] != tinker_local.tiny_model_spec()["key"]
     assert json.loads(json.dumps(spec))["seed"] == 1
+    # pre-trained on the bundle's example conversations: it samples their English, not the student's repeats
+    assert spec["pretrain"]["steps"] > 0 and len(spec["pretrain"]["conversations"]) == len(
+        (tinker_local.REPO / "templates" / tinker_local.TEACHER_DATA).read_text().splitlines())
