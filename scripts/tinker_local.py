@@ -86,6 +86,8 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 API_KEY = "tml-local"  # the SDK accepts any key that starts with "tml-"
 BANNER = ("local rehearsal: a tiny random model stands in for {model}; "
           "losses and samples are not those of {model}")
+TEACHER_BANNER = ("local rehearsal: another tiny model (3 layers, pre-trained on the example conversations) "
+                  "stands in for {model}, for sampling only (a teacher); its samples are not those of {model}")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-local"
 DEFAULT_HOME = REPO / ".cache" / "tinker-local"
@@ -140,6 +142,14 @@ TINY_QWEN3 = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_
 # pairs exactly (benchmarks/local_rehearsal_learning.py). Changing either value changes the
 # fingerprint, so `setup` rebuilds a model cached by an older setup.
 TINY_FINAL_NORM_WEIGHT = 20.0
+# The teacher: a different tiny Qwen3 (3 layers, torch seed 1, same tokenizer, pre-trained on the example
+# conversations) served, sampling only, under every --also-serve name, so a distillation rehearsal has a
+# teacher that samples differently from the student. Built on first use, kept beside the tiny model.
+TEACHER_QWEN3 = dict(TINY_QWEN3, num_hidden_layers=3)
+TEACHER_SEED = 1
+TEACHER_DATA = "sft_example.jsonl"  # in templates/: what the teacher is pre-trained on
+TEACHER_PRETRAIN = {"steps": 60, "batch": 8, "learning_rate": 3e-3}
+ALSO_SERVE_ENV = "TINKER_LOCAL_ALSO_SERVE"  # comma-separated names, the default of --also-serve
 SERVER = Path(__file__).resolve().parent / "tinker_local_server.py"  # runs in the server venv
 
 
@@ -168,6 +178,36 @@ def venv_python(venv: Path) -> Path:
 
 def tiny_model_dir(home: Path) -> Path:
     return home / "models" / "tiny-qwen3"
+
+
+def teacher_model_dir(home: Path) -> Path:
+    return home / "models" / "tiny-qwen3-teacher"
+
+
+def teacher_model_spec() -> dict:
+    """The teacher: TEACHER_QWEN3 at seed 1, pre-trained (full parameters) on the bundle's example
+    conversations (templates/sft_example.jsonl), so it writes English where the random student repeats
+    tokens; without the file beside the bundle it stays random (a different fingerprint)."""
+    spec = {"config": TEACHER_QWEN3, "final_norm_weight": TINY_FINAL_NORM_WEIGHT, "seed": TEACHER_SEED}
+    data = REPO / "templates" / TEACHER_DATA
+    if data.is_file():
+        conversations = [json.loads(line)["messages"] for line in data.read_text().splitlines() if line.strip()]
+        spec["pretrain"] = {"conversations": conversations, **TEACHER_PRETRAIN}
+    return {"key": hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16], **spec}
+
+
+def ensure_teacher_model(venv: Path, home: Path) -> Path:
+    """The teacher model folder, built (~2 minutes of CPU, once per cache folder) if missing or stale."""
+    teacher, spec = teacher_model_dir(home), teacher_model_spec()
+    with _locked(home):
+        if _load_state(teacher / "tinker-local-model.json").get("config") != spec["key"]:
+            say("building the tiny teacher model (3 layers, seed 1, pre-trained on the example conversations) "
+                "for --also-serve ...")
+            logs = home / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            _run_step("build teacher model", [str(venv_python(venv)), str(SERVER), "build-model", str(teacher),
+                                              json.dumps(spec)], logs / "setup-teacher.log", env=_server_env(home))
+    return teacher
 
 
 def hf_home(home: Path) -> Path:
@@ -304,9 +344,9 @@ def is_set_up(venv: Path, home: Path) -> bool:
     return state.get("check shims") == pins_fingerprint() and built.get("config") == tiny_model_spec()["key"]
 
 
-def seed_hf_cache(home: Path, model: str) -> Path:
-    """Make `model` resolve offline to the tiny model, for the server and any client."""
-    tiny = tiny_model_dir(home)
+def seed_hf_cache(home: Path, model: str, source: Path | None = None) -> Path:
+    """Make `model` resolve offline to the tiny model (or `source`), for the server and any client."""
+    tiny = source or tiny_model_dir(home)
     repo = hf_home(home) / "hub" / ("models--" + model.replace("/", "--"))
     commit = "0" * 40
     snapshot = repo / "snapshots" / commit
@@ -374,6 +414,7 @@ class Server:
         self.checkpoints = checkpoints or store_dir(home)
         self.log = run_dir / "server.log"
         self.env = client_env(base_url, home)
+        self.also_serve: list[str] = []  # names served for sampling only (start_server's also_serve)
 
     def stop(self, grace_sec: float = 15.0) -> None:
         stop_group(self.proc, grace_sec)
@@ -581,9 +622,17 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
                  home: Path | None = None, run_dir: Path | None = None,
                  ready_timeout: float = READY_TIMEOUT_SEC, weights: Path | None = None,
                  max_lora_adapters: int = MAX_LORA_ADAPTERS, max_lora_rank: int = MAX_LORA_RANK,
-                 session_timeout_sec: int = SESSION_TIMEOUT_SEC, max_context: int | None = None) -> Server:
-    """Start the server on 127.0.0.1 and return once the engine is ready (raises LocalError)."""
+                 session_timeout_sec: int = SESSION_TIMEOUT_SEC, max_context: int | None = None,
+                 also_serve: list[str] | tuple[str, ...] = ()) -> Server:
+    """Start the server on 127.0.0.1 and return once the engine is ready (raises LocalError).
+
+    also_serve: more base-model names, each served for sampling only by the tiny teacher model (a
+    distillation teacher of another name); `model` stays the one that trains."""
     venv, home = venv or resolve_venv(), home or resolve_home()
+    also_serve = list(dict.fromkeys(n.strip() for n in also_serve if n and n.strip()))
+    if model in also_serve:
+        raise LocalError(f"--also-serve {model} names the trained model itself; give the teacher's name "
+                         f"(another model, e.g. Qwen/Qwen3-32B)")
     own_run_dir = run_dir is not None
     if not is_set_up(venv, home):
         raise LocalError(f"the local backend is not set up in {venv}; run "
@@ -617,6 +666,13 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
     base_url = f"http://127.0.0.1:{port}"
     with _locked(home):
         seed_hf_cache(home, model)
+    extra = {}
+    if also_serve:
+        teacher = ensure_teacher_model(venv, home)
+        with _locked(home):
+            for name in also_serve:
+                seed_hf_cache(home, name, source=teacher)
+                extra[name] = {"weights": str(teacher), "context": tinker_context_window(name)}
     backend_config = {"max_lora_adapters": max_lora_adapters, "max_lora_rank": max_lora_rank}
     cmd = [str(venv_python(venv)), str(SERVER), "api",
            "--listen-fd", str(listener.fileno()),
@@ -632,6 +688,7 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
     env["TINKER_LOCAL_READY_FILE"] = str(ready_file)
     env["TINKER_LOCAL_RUN_DIR"] = str(run_dir)  # the owner recorded in the store's model.json
     env["TINKER_LOCAL_MAX_CONTEXT"] = str(max_context or tinker_context_window(model))
+    env["TINKER_LOCAL_EXTRA_MODELS"] = json.dumps(extra)  # read by tinker_local_server.py (group H)
     started = time.monotonic()
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -652,8 +709,10 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
         stop_group(proc)
         raise
     (run_dir / "server.json").write_text(json.dumps(
-        {"base_url": base_url, "pid": proc.pid, "model": model}, indent=1))
-    return Server(proc, base_url, run_dir, home, model, time.monotonic() - started, checkpoints)
+        {"base_url": base_url, "pid": proc.pid, "model": model, "also_serve": also_serve}, indent=1))
+    server = Server(proc, base_url, run_dir, home, model, time.monotonic() - started, checkpoints)
+    server.also_serve = also_serve
+    return server
 
 
 def checkpoints_folder(home: Path, run_dir: Path, own_run_dir: bool) -> Path:
@@ -698,10 +757,12 @@ def _terminate_raises():
 
 def _start_from_args(args) -> Server:
     say(BANNER.format(model=args.model))
+    for name in args.also_serve:
+        say(TEACHER_BANNER.format(model=name))
     return start_server(args.model, args.port, venv=args.venv, home=args.home, run_dir=args.run_dir,
                         ready_timeout=args.ready_timeout, weights=args.weights,
                         max_lora_adapters=args.max_lora_adapters, max_lora_rank=args.max_lora_rank,
-                        max_context=args.max_context)
+                        max_context=args.max_context, also_serve=args.also_serve)
 
 
 def cmd_serve(args) -> int:
@@ -713,7 +774,8 @@ def cmd_serve(args) -> int:
             if args.json:
                 print(json.dumps({"base_url": server.base_url, "env": server.env,
                                   "log": str(server.log), "run_dir": str(server.run_dir),
-                                  "pid": server.proc.pid, "model": server.model}), flush=True)
+                                  "pid": server.proc.pid, "model": server.model,
+                                  "also_serve": server.also_serve}), flush=True)
             else:
                 for key, value in server.env.items():
                     print(f"export {key}={shlex.quote(value)}", flush=True)
@@ -829,6 +891,11 @@ def main(argv: list[str] | None = None) -> int:
     serving.add_argument("--max-context", type=int, default=None,
                          help="context window get_server_capabilities reports for --model (default: "
                               f"Tinker's, from tinker_pricing.py's catalogue, else {DEFAULT_CONTEXT})")
+    serving.add_argument("--also-serve", action="append", metavar="NAME",
+                         default=[n for n in os.environ.get(ALSO_SERVE_ENV, "").split(",") if n.strip()],
+                         help="also serve NAME for sampling only, by a different tiny model (a distillation "
+                              "teacher of another name, e.g. Qwen/Qwen3-32B); repeatable (default "
+                              f"${ALSO_SERVE_ENV}, comma-separated)")
     p = sub.add_parser("serve", parents=[common, serving],
                        help="start a server, print its environment, stay in the foreground")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of export lines")

