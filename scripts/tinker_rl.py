@@ -90,7 +90,7 @@ DEFAULT_LOSS_CONFIG = {
 }
 # Models whose turns usually start with reasoning (always, or hybrid with thinking on by default, as the price
 # catalogue lists them): their turns need room (4096 tokens unless --max-tokens).
-REASONING_MODELS = ("gpt-oss", "Kimi-K2-Thinking", "GLM-5", "Qwen3.8", "DeepSeek-V4", "Inkling")
+REASONING_MODELS = ("gpt-oss", "Kimi-K2", "GLM-5", "Qwen3.8", "DeepSeek-V4", "Inkling")  # Kimi-K2: K2.6 (K2-Thinking retired)
 # The local backend's tiny random model learns at a far larger rate than an 8B model and is slow per
 # token: the rehearsal (--rehearse) trains the rehearsal task with these unless a flag says otherwise.
 # Temperature 1.2: at 1.0 about 1 sample in 8 leaves the blank lines, at 1.5 nearly all do (measured).

@@ -720,3 +720,14 @@ def test_a_local_rehearsal_trains_your_reward_when_it_separates_the_first_sample
     else:
         assert "tied groups 0/2" in out.err and config["reward"] == "own" and config["n_tasks"] == 6
         assert json.loads(out.out)["reward_source"] == "own"
+
+
+def test_every_reasoning_model_in_the_catalogue_gets_room_to_think():
+    """tinker_rl.py's 4096-token default reaches every model the price catalogue lists as Reasoning."""
+    import tinker_pricing
+    import tinker_rl
+
+    reasoning = [row["id"] for row in tinker_pricing.SNAPSHOT if "Reasoning" in (row["type"] or "")]
+    assert "moonshotai/Kimi-K2.6" in reasoning and "openai/gpt-oss-20b" in reasoning
+    for name in reasoning:
+        assert any(k.lower() in name.lower() for k in tinker_rl.REASONING_MODELS), name
