@@ -179,7 +179,10 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     if model is None:
         close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
         shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
-        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+        pricing = load_pricing()
+        retired = getattr(pricing, "retired_note", lambda _: None)(model_name) if pricing else None
+        retired = f"{retired}; " if retired else ""
+        raise DataError(f"unknown model {model_name!r}: {retired}this Tinker serves {shown}; pass one with {flag}")
     if trainable and model.trainable is False:
         raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
     return tinker.ServiceClient(), model.max_context_length
