@@ -461,7 +461,7 @@ def teacher_from_run_record(log, args):
 
 def load_teacher_tokenizer(teacher, args, recorded=None):
     teacher.tokenizer_name = tokenizer_record(args.teacher_tokenizer or recorded or teacher.base)
-    teacher.tokenizer = load_tokenizer(teacher.tokenizer_name)
+    teacher.tokenizer = load_tokenizer(teacher.tokenizer_name, flag="--teacher-tokenizer")
 
 
 def open_teacher(service, teacher, args):
@@ -494,7 +494,10 @@ def check_teacher_served(base):
     caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
     sampleable = sorted(m.model_name for m in caps.supported_models if m.model_name and m.sampleable is not False)
     if base.split(":", 1)[0] not in sampleable and base not in sampleable:
-        raise DataError(f"the teacher {base} is not served for sampling by this Tinker (it serves "
+        pricing = load_pricing()
+        retired = getattr(pricing, "retired_note", lambda _: None)(base) if pricing else None
+        raise DataError(f"the teacher {base} is not served for sampling by this Tinker ("
+                        + (f"{retired}; " if retired else "") + "it serves "
                         f"{', '.join(sampleable[:12])}); pass one of those as --teacher, or a teacher run's folder")
 
 

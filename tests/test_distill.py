@@ -126,6 +126,43 @@ def test_a_teacher_with_the_same_tokenizer_and_template_passes_the_dry_run(offli
     assert record["format"]["stop"] == [151645]
 
 
+
+def test_a_missing_teacher_tokenizer_names_the_teacher_tokenizer_flag(offline_tokenizer, tmp_path, capsys):
+    code, out, err = run_main(qwen_dry_run(offline_tokenizer, tmp_path, "--teacher", "Qwen/Qwen3-8B",
+                                           "--teacher-tokenizer", str(tmp_path / "no-such-folder")), capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (
+        f"error: tokenizer folder {tmp_path / 'no-such-folder'} does not exist; pass --teacher-tokenizer PATH "
+        "(a folder with tokenizer.json) or a hub name")
+
+
+def test_an_unknown_model_the_catalogue_knows_as_retired_says_so_before_the_served_list(monkeypatch):
+    class Model:
+        def __init__(self, name):
+            self.model_name, self.trainable, self.sampleable, self.max_context_length = name, True, True, 32768
+
+    class Caps:
+        supported_models = [Model("Qwen/Qwen3-8B"), Model("Qwen/Qwen3.6-35B-A3B")]
+
+    class Rest:
+        def get_server_capabilities(self):
+            return type("F", (), {"result": lambda self, timeout=None: Caps()})()
+
+    for name in ("require_credentials", "check_reachable", "_start_watch"):
+        monkeypatch.setattr(distill, name, lambda *a, **k: None)
+    monkeypatch.setattr(distill, "rest_client", Rest)
+    with pytest.raises(distill.DataError) as err:
+        distill.connect("Qwen/Qwen3-30B-A3B")
+    assert str(err.value) == (
+        "unknown model 'Qwen/Qwen3-30B-A3B': Qwen/Qwen3-30B-A3B was retired from Tinker on 2026-06-12; its "
+        "recommended replacement is Qwen/Qwen3.6-35B-A3B; this Tinker serves Qwen/Qwen3.6-35B-A3B, Qwen/Qwen3-8B; "
+        "pass one with --model-name")
+    with pytest.raises(distill.DataError) as err:  # the teacher's check says the same
+        distill.check_teacher_served("Qwen/Qwen3-30B-A3B")
+    assert "(Qwen/Qwen3-30B-A3B was retired from Tinker on 2026-06-12; its recommended replacement is " \
+           "Qwen/Qwen3.6-35B-A3B; it serves Qwen/Qwen3-8B, Qwen/Qwen3.6-35B-A3B)" in str(err.value)
+
+
 def test_a_template_difference_alone_is_named(chat_family):
     tok, fmt = chat_family("Qwen3-8B")
     other = dict(fmt, template_sha256="0" * 64)
