@@ -1848,10 +1848,11 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
     """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
-        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        # A dry run refuses --max-usd exactly as the real run does: a dry run that passes is an audit.
         if max_usd is not None:
-            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        say(note)
+            raise BudgetError(f"cannot check --max-usd: tinker_pricing.py (the prices) is not beside this script; "
+                              f"{copy_pricing_command()}, or drop --max-usd")
+        say("no dollar estimate: tinker_pricing.py is not beside this script")
         return None
     try:
         return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
@@ -1862,6 +1863,18 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
         return None
+
+
+def copy_pricing_command() -> str:
+    """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
+    shows where the bundle is, else the words."""
+    import shlex
+
+    here = str(Path(__file__).resolve().parent)
+    launcher = local_launcher()
+    if launcher and (Path(launcher).parent / "tinker_pricing.py").exists():
+        return f"copy it: cp {shlex.quote(os.path.join(os.path.dirname(launcher), 'tinker_pricing.py'))} {shlex.quote(here)}"
+    return f"copy the bundle's scripts/tinker_pricing.py into {here}"
 
 
 def catalogue_context(model_name):
@@ -2086,7 +2099,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 fb7d918726c4) ====
+# ==== END SHARED CODE (sha256 2b1286743b68) ====
 
 
 if __name__ == "__main__":
