@@ -172,6 +172,8 @@ def main(argv=None):
     teacher = describe_teacher(args)
     if teacher.tokenizer is not None:
         check_same_rendering(student, teacher)
+    if args.max_usd is not None and load_pricing() is None:  # exit 3 before any Tinker call, dry run or not
+        estimate(args.model_name, {}, args.max_usd, label="distill")
     prompt_lengths = [len(t) for t in student.prompts]
     say(f"{len(prompt_lengths)} prompts, {min(prompt_lengths)}-{max(prompt_lengths)} tokens; teacher {teacher.label}; "
         f"{args.batch_size} prompts x {args.group_size} samples x <= {args.max_tokens} tokens per iteration")

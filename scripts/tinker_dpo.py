@@ -165,7 +165,7 @@ def train_run(args, run) -> int:
     label = f"DPO {len(pairs)} pairs, steps {start}-{total_steps}" + (" (resume)" if resume_from else "")
 
     if args.dry_run:
-        est = estimate(args.model_name, tokens, None, label=label)
+        est = estimate(args.model_name, tokens, args.max_usd, label=label)  # refuses what the real run refuses
         audit = write_audit(run, pairs, tokenizer)
         say(f"dry run: {len(pairs)} pairs rendered, masks checked; audit in {audit}")
         emit({"status": "dry_run", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
