@@ -64,12 +64,27 @@ import hashlib
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 # Settings a --resume must repeat: any other value would make the resumed run a different run.
 RESUME_KEYS = ("model_name", "teacher", "teacher_base", "lora_rank", "learning_rate", "batch_size",
                "group_size", "max_tokens", "temperature", "kl_coef", "seed", "prompts_sha256", "init_from")
+# --rehearse: a run the local backend's tiny model visibly distils (figures measured on it, see
+# references/distillation.md); any flag given wins. Without --teacher the rehearsal first trains its own
+# teacher on the same base (REHEARSAL_QA, SFT's rehearsal recipe), so the teacher samples differently from
+# the untrained student; without --prompts the student answers REHEARSAL_QA's questions.
+REHEARSAL = {"learning_rate": 5e-3, "iterations": 20, "batch_size": 4, "group_size": 2, "max_tokens": 8,
+             "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"}
+REHEARSAL_QA = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+                ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
+# A soft teacher: 3 full-batch SFT steps (held-out NLL 18.4 -> 10.8). A fully memorised one (40 steps) rates
+# every other token near -20 and the student's KL only fell 16 -> 12 in 12 iterations (measured).
+REHEARSAL_TEACHER = {"steps": 3, "learning_rate": 1e-2}
+# A rehearsal passes when the mean reverse KL of the last quarter of its iterations is at most this share of
+# the first iteration's (the untrained student's distance to the teacher).
+REHEARSAL_KL_SHARE = 0.5
 
 
 def parse_args(argv=None):
@@ -107,7 +122,19 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="render and check, no Tinker call")
     p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
-    return p.parse_args(argv)
+    p.add_argument("--rehearse", action="store_true",
+                   help="free rehearsal preset for the local backend (REHEARSAL in the script; any flag you pass "
+                        "wins): without --teacher, a teacher trained first on the same base; then checks the "
+                        "reverse KL halves")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--rehearse" in argv:
+        p.set_defaults(**REHEARSAL)  # defaults only: a flag given on the command line still wins
+    args = p.parse_args(argv)
+    args.train_teacher = bool(args.rehearse and not args.teacher)
+    if args.train_teacher:  # the teacher is a checkpoint of the student's own base, trained before the run
+        args.teacher = args.model_name
+        args.teacher_tokenizer = args.teacher_tokenizer or args.tokenizer
+    return args
 
 
 # ==== EDIT ME: PROMPTS / load_prompts() ====
@@ -199,8 +226,12 @@ def main(argv=None):
 
 
 def train_run(args, student, teacher, prompt_lengths, run):
+    started = time.monotonic()
     service, context_window = connect(args.model_name)
     check_context(args, student.prompts, context_window)
+    if args.train_teacher:
+        teacher.path = train_rehearsal_teacher(service, args, student)
+        teacher.label = f"{teacher.path} (trained first on the built-in answers)"
     teacher_client = open_teacher(service, teacher, args)  # free: opening a sampler is not metered
     if teacher.fmt is None:
         check_same_rendering(student, teacher)
@@ -272,13 +303,115 @@ def train_run(args, student, teacher, prompt_lengths, run):
         final = save_checkpoint(tc, run, "final", args.iterations,
                                 args.iterations * args.batch_size // len(student.prompts), student.fmt, final=True)
     curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl")]
-    emit({"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
-          "state_path": final["state_path"], "sampler_path": final["sampler_path"],
-          "reverse_kl": {"first": curve[0] if curve else None, "last": curve[-1] if curve else None},
-          "teacher": teacher.record(), "format": student.fmt,
-          "sampling": {"model_path": final["sampler_path"], "stop": student.fmt["stop"],
-                       "hint": script_command("tinker_infer.py", "--run", run.path)}})
+    report = {"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
+              "state_path": final["state_path"], "sampler_path": final["sampler_path"],
+              "reverse_kl": {"first": curve[0] if curve else None, "last": curve[-1] if curve else None},
+              "teacher": teacher.record(), "format": student.fmt,
+              "sampling": {"model_path": final["sampler_path"], "stop": student.fmt["stop"],
+                           "hint": script_command("tinker_infer.py", "--run", run.path)}}
+    if args.rehearse:
+        report["rehearsal"] = rehearsal_checks(run, report, args.iterations)
+        report["estimate_usd"], report["seconds"] = config["estimate_usd"], round(time.monotonic() - started, 1)
+        if not report["rehearsal"]["passed"]:
+            report["status"] = "failed"  # the JSON says what the exit code (1) says
+        run.unlock()  # the record is complete: the report page written next shows a finished run
+        print_outcome(args, student, report)
+    emit(report)
+    if args.rehearse and not report["rehearsal"]["passed"]:
+        failed = [c["check"] for c in report["rehearsal"]["checks"] if not c["passed"]]
+        raise ScriptError(f"rehearsal check failed: {'; '.join(failed)} (figures above and in {run.path}/metrics.jsonl)")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# --rehearse: the teacher trained first, the checks and the summary
+
+def train_rehearsal_teacher(service, args, student):
+    """--rehearse without --teacher: a LoRA of the student's own base trained on REHEARSAL_QA's answers (the
+    student's rendering, cross-entropy on each answer and its end-of-turn token) and saved for sampling, so the
+    teacher prefers answers the untrained student does not. Returns its tinker://.../sampler_weights path."""
+    import tinker
+
+    examples = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                for q, a in REHEARSAL_QA]
+    datums = [to_datum(r) for ex in examples for r in render_example(ex, student.tokenizer, student.fmt)]
+    # the student's seed: both LoRAs start from the same init, so the teacher is reachable from the student's start
+    tc = training_client(service, args.model_name, args.lora_rank, args.seed, position="rehearsal teacher")
+    steps, lr = REHEARSAL_TEACHER["steps"], REHEARSAL_TEACHER["learning_rate"]
+    for step in range(steps):
+        fwd = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))
+        loss = fwd.result().metrics["loss:sum"]
+        opt.result()
+        if step in (0, steps - 1):
+            say(f"rehearsal teacher: step {step + 1}/{steps} | loss {loss:.4f}")
+    path = tc.save_weights_for_sampler("rehearsal-teacher").result().path
+    say(f"rehearsal teacher: {steps} SFT steps on the {len(examples)} built-in answers at lr {lr:g} -> {path}")
+    return path
+
+
+def rehearsal_checks(run, report, iterations):
+    """What a distillation rehearsal proves: every iteration sampled, was graded by the teacher and trained; the
+    final checkpoint was saved; the student's reverse KL to the teacher fell by half from where the student
+    started (the last quarter's mean: one iteration's figure is noisy)."""
+    curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl") if isinstance(r.get("reverse_kl"), (int, float))]
+    q = max(1, len(curve) // 4)
+    head = curve[0] if curve else float("nan")
+    tail = sum(curve[-q:]) / q if curve else float("nan")
+    rows = run.rows("metrics.jsonl")
+    checks = [
+        {"check": f"every iteration sampled, was graded and trained: {len(curve)} of {iterations} metrics rows",
+         "passed": len(curve) == iterations},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the reverse KL to the teacher falls by half or more ({head:.3f} at the first iteration -> "
+                  f"{tail:.3f}, the mean of the last {q})",
+         "passed": bool(curve) and tail <= REHEARSAL_KL_SHARE * head},
+    ]
+    reported = [f"teacher logprob of the student's samples {rows[0].get('teacher_logprob', 0):.3f} -> "
+                f"{rows[-1].get('teacher_logprob', 0):.3f}, student logprob {rows[0].get('student_logprob', 0):.3f} -> "
+                f"{rows[-1].get('student_logprob', 0):.3f} (reported, not judged)"] if rows else []
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "reverse_kl": {"first": head, "last_quarter": tail}}
+
+
+def print_outcome(args, student, report):
+    """A few lines a newcomer can read: what was distilled, how far it moved, where it is, what it costs."""
+    log, usd = report["log_path"], report.get("estimate_usd")
+    question = REHEARSAL_QA[0][0] if args.rehearse and not args.prompts else None
+    lines = ["", "==== what happened ====",
+             f"distilled  {report['teacher']['teacher']} into a LoRA (rank {args.lora_rank}) on {args.model_name}: "
+             f"{args.iterations} iterations of {args.batch_size} prompts x {args.group_size} samples x <= "
+             f"{args.max_tokens} tokens"]
+    for c in report["rehearsal"]["checks"]:
+        lines.append(f"check    {'ok  ' if c['passed'] else 'FAIL'} {c['check']}")
+    for note in report["rehearsal"]["reported"]:
+        lines.append(f"report   {note}")
+    lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl); final sampler {report['sampler_path']}",
+              f"on Tinker this run would cost about ${usd:.4f} ({args.model_name} and the teacher's prefill, the "
+              "estimate above; the rehearsal teacher's own training is not in it)" if usd is not None
+              else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
+              "next     sample it: " + (script_command("tinker_infer.py", "--run", log, "--prompt", question) if question
+                                        else script_command("tinker_infer.py", "--run", log)),
+              f"took     {report['seconds']:.0f} s"]
+    page = write_report(log)
+    if page:
+        lines.insert(-1, f"report   {page} (reverse KL, teacher and student logprob curves, checkpoints)")
+    say("\n".join(lines))
+
+
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None)."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +540,11 @@ def check_settings(args):
 
 
 def prepare_student(args):
-    prompts = load_prompts(args.prompts)
+    if args.rehearse and not args.prompts:
+        say("no --prompts: the student answers the built-in rehearsal questions (pass --prompts for your own)")
+        prompts = [[{"role": "user", "content": q}] for q, _ in REHEARSAL_QA]
+    else:
+        prompts = load_prompts(args.prompts)
     if not isinstance(prompts, list) or not prompts:
         raise DataError("load_prompts() returned no prompts; fill PROMPTS in the EDIT ME block or pass --prompts")
     name = tokenizer_record(args.tokenizer or args.model_name)
@@ -1058,6 +1195,11 @@ def _role_colon_text(messages):
     return "\n\n".join(parts + ["Assistant:"])
 
 
+def _raw_assistant_text(message):
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
+
+
 def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
     """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
     assistant header."""
@@ -1117,6 +1259,58 @@ def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
     return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
 
 
+def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[Rendered]:
+    """The datums of one validated example.
+
+    chat, last-assistant: one datum training the last assistant message.
+    chat, all-assistant: every assistant message is trained; consecutive turns share one datum when
+        the earlier datum's tokens are a prefix of the later one (the template has the extension
+        property). Otherwise each turn is its own datum, rendered in the context the model really
+        sees at that turn (Qwen3 drops earlier turns' <think> blocks, so its turns are separate).
+    Reasoning: a message with reasoning_content (or <think> in its content) renders with thinking on
+        and its reasoning is trained; other messages render with the format's thinking switch.
+    raw: [bos] + prompt + completion + [eos], weights on completion + eos; a conversation becomes
+        role-colon text ('User: ...\\n\\nAssistant:') with the assistant content as completion.
+    """
+    if fmt["kind"] == "chat":
+        messages = example.get("messages") or [
+            {"role": "user", "content": example["prompt"]},
+            {"role": "assistant", "content": example["completion"]},
+        ]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
+        return _merge_extensions(rendered)
+
+    eos = tokenizer.eos_token_id
+    if "messages" in example:
+        messages = example["messages"]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        pairs = [(messages[:i], " " + _raw_assistant_text(messages[i])) for i in turns]
+    else:
+        pairs = [(example["prompt"], example["completion"])]
+    out = []
+    for prompt_part, completion_text in pairs:
+        prompt = generation_prompt(prompt_part, tokenizer, fmt)
+        completion = tokenizer.encode(completion_text, add_special_tokens=False) + [eos]
+        out.append(Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
+    return _merge_extensions(out)
+
+
+def _merge_extensions(rendered):
+    merged = []
+    for r in rendered:
+        last = merged[-1] if merged else None
+        if last is not None and r.tokens[: len(last.tokens)] == last.tokens:
+            merged[-1] = Rendered(r.tokens, last.weights + r.weights[len(last.tokens):])
+        else:
+            merged.append(r)
+    return merged
+
+
 def stop_tokens(tokenizer, fmt) -> list[int]:
     """Token ids that end a sampled turn: the end-of-turn token the renderer trains (found by rendering
     a probe conversation), plus Harmony's <|call|> when the end-of-turn is <|return|>; raw: [eos]."""
@@ -1130,6 +1324,16 @@ def stop_tokens(tokenizer, fmt) -> list[int]:
         if isinstance(call, int) and call != tokenizer.unk_token_id:
             stops.append(call)
     return stops
+
+
+def to_datum(r: Rendered):
+    """The shift by one: model_input = tokens[:-1], target_tokens = tokens[1:], weights = weights[1:]."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
+    )
 
 
 def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
@@ -2101,7 +2305,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 2b1286743b68) ====
+# ==== END SHARED CODE (sha256 a1ee5b4bd203) ====
 
 
 if __name__ == "__main__":

@@ -333,3 +333,42 @@ def test_the_script_copied_alone_runs_help_and_dry_run(offline_tokenizer, tmp_pa
     assert record["status"] == "dry_run" and record["estimate_usd"] is None
     assert "no dollar estimate: tinker_pricing.py is not beside this script" in dry.stderr
     assert sorted(p.name for p in alone.iterdir()) == ["tinker_distill.py"]
+
+
+# ---- --rehearse: the preset, the teacher trained first, the checks --------------------------------------
+
+def test_the_rehearsal_preset_dry_runs_the_built_in_questions_with_a_teacher_of_the_same_base(offline_tokenizer,
+                                                                                               tmp_path, capsys):
+    code, out, err = run_main(["--rehearse", "--dry-run", "--tokenizer", offline_tokenizer("Qwen3-8B")], capsys)
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["prompts"] == len(distill.REHEARSAL_QA) and record["max_tokens"] == 8
+    # no --teacher: the teacher is trained first on the student's base; its tokenizer is the student's
+    assert record["teacher"]["base_model"] == "Qwen/Qwen3-8B" and record["teacher"]["tokenizer"] == \
+        distill.tokenizer_record(offline_tokenizer("Qwen3-8B"))
+    assert "no --prompts: the student answers the built-in rehearsal questions" in err
+    args = distill.parse_args(["--rehearse", "--iterations", "3"])
+    assert (args.train_teacher, args.iterations, args.learning_rate, args.log_path) == (True, 3, 5e-3,
+                                                                                        "runs/distill-rehearsal")
+    assert distill.parse_args(["--rehearse", "--teacher", "runs/sft"]).train_teacher is False
+
+
+class RecordedRun:
+    def __init__(self, curve):
+        self._rows = [{"iteration": i, "reverse_kl": k, "teacher_logprob": -k - 1, "student_logprob": -1.0}
+                      for i, k in enumerate(curve)]
+
+    def rows(self, name):
+        return self._rows
+
+
+def test_rehearsal_checks_judge_the_last_quarter_against_the_first_iteration():
+    saved = {"state_path": "tinker://r/weights/final", "sampler_path": "tinker://r/sampler_weights/final"}
+    halved = distill.rehearsal_checks(RecordedRun([5.0, 8.4, 11.2, 6.0, 3.0, 2.4, 2.0, 2.2]), saved, 8)
+    assert halved["passed"] and halved["reverse_kl"] == {"first": 5.0, "last_quarter": 2.1}
+    assert halved["checks"][-1]["check"] == ("the reverse KL to the teacher falls by half or more (5.000 at the "
+                                             "first iteration -> 2.100, the mean of the last 2)")
+    stalled = distill.rehearsal_checks(RecordedRun([16.3, 13.7, 12.4, 13.3, 12.6, 12.1, 12.2, 13.9]), saved, 8)
+    assert [c["passed"] for c in stalled["checks"]] == [True, True, False]
+    assert [c["passed"] for c in distill.rehearsal_checks(RecordedRun([5.0, 2.0]), {}, 8)["checks"]] == \
+        [False, False, True]
