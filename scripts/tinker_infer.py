@@ -45,8 +45,15 @@ Outputs:
     stdout: exactly one JSON object. Sampling: {"status", "route", "model", "base_model",
       "format", "sampling", "samples": [{"prompt_index", "sample_index", "text", "tokens",
       "stop_reason", "prompt_tokens", "completion_tokens", "usd"}], "usd", "out"}. `--json` only
-      silences the human-readable display on stderr. With --input FILE.jsonl and --out,
-      one JSONL row per input row, in input order: {"index", "prompt"|"messages", "samples"}.
+      silences the human-readable display on stderr.
+    --out FILE.jsonl (with --input, or one --prompt): one JSON row per input row, in input order,
+      written whole (renamed into place):
+        {"index": 0-based position among --input's non-blank lines,
+         "prompt": str  or  "messages": [...]   (as given; any other field of the input row is not
+                                                 copied: join your references on "index"),
+         "samples": [{"sample_index", "text" (the completion, stop token removed), "tokens" (its ids),
+                      "stop_reason" ("stop" | "length"), "prompt_tokens", "completion_tokens",
+                      "usd" (null without tinker_pricing.py beside the script)}, ...]}  (--n per row)
     --dry-run: {"status": "dry_run", "route", "model", "format", "sampling", "prompts":
       [{"prompt_index", "prompt_tokens", "text"}] (SDK) or "endpoint" and "bodies" (--http), "estimate_usd"}.
     On failure: {"status": "error"|"interrupted", "exit_code", "error"} and one line on stderr.
