@@ -35,8 +35,9 @@ def tokenizer_record(name_or_path: str) -> str:
     return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
 
-def load_tokenizer(name_or_path: str):
-    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules. `flag` is
+    the option the user passes a tokenizer with (tinker_distill.py's teacher: --teacher-tokenizer).
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
@@ -45,7 +46,7 @@ def load_tokenizer(name_or_path: str):
     if os.path.isdir(name_or_path):
         return AutoTokenizer.from_pretrained(name_or_path)
     if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
-        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass {flag} PATH (a folder with "
                         "tokenizer.json) or a hub name")
     name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
     kwargs = {}
@@ -58,7 +59,7 @@ def load_tokenizer(name_or_path: str):
     with contextlib.suppress(Exception):
         return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
-    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+    next_step = (f"; pass {flag} PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from errors import AccessError, BudgetError, DataError, local_hint, say  # splice: drop
+from errors import AccessError, BudgetError, DataError, local_hint, local_launcher, say  # splice: drop
 
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
@@ -179,7 +179,10 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     if model is None:
         close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
         shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
-        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+        pricing = load_pricing()
+        retired = getattr(pricing, "retired_note", lambda _: None)(model_name) if pricing else None
+        retired = f"{retired}; " if retired else ""
+        raise DataError(f"unknown model {model_name!r}: {retired}this Tinker serves {shown}; pass one with {flag}")
     if trainable and model.trainable is False:
         raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
     return tinker.ServiceClient(), model.max_context_length
@@ -216,10 +219,11 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
     """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
-        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        # A dry run refuses --max-usd exactly as the real run does: a dry run that passes is an audit.
         if max_usd is not None:
-            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        say(note)
+            raise BudgetError(f"cannot check --max-usd: tinker_pricing.py (the prices) is not beside this script; "
+                              f"{copy_pricing_command()}, or drop --max-usd")
+        say("no dollar estimate: tinker_pricing.py is not beside this script")
         return None
     try:
         return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
@@ -230,6 +234,18 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
         return None
+
+
+def copy_pricing_command() -> str:
+    """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
+    shows where the bundle is, else the words."""
+    import shlex
+
+    here = str(Path(__file__).resolve().parent)
+    launcher = local_launcher()
+    if launcher and (Path(launcher).parent / "tinker_pricing.py").exists():
+        return f"copy it: cp {shlex.quote(os.path.join(os.path.dirname(launcher), 'tinker_pricing.py'))} {shlex.quote(here)}"
+    return f"copy the bundle's scripts/tinker_pricing.py into {here}"
 
 
 def catalogue_context(model_name):

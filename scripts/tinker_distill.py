@@ -64,12 +64,27 @@ import hashlib
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
 # Settings a --resume must repeat: any other value would make the resumed run a different run.
 RESUME_KEYS = ("model_name", "teacher", "teacher_base", "lora_rank", "learning_rate", "batch_size",
                "group_size", "max_tokens", "temperature", "kl_coef", "seed", "prompts_sha256", "init_from")
+# --rehearse: a run the local backend's tiny model visibly distils (figures measured on it, see
+# references/distillation.md); any flag given wins. Without --teacher the rehearsal first trains its own
+# teacher on the same base (REHEARSAL_QA, SFT's rehearsal recipe), so the teacher samples differently from
+# the untrained student; without --prompts the student answers REHEARSAL_QA's questions.
+REHEARSAL = {"learning_rate": 5e-3, "iterations": 20, "batch_size": 4, "group_size": 2, "max_tokens": 8,
+             "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"}
+REHEARSAL_QA = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+                ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
+# A soft teacher: 3 full-batch SFT steps (held-out NLL 18.4 -> 10.8). A fully memorised one (40 steps) rates
+# every other token near -20 and the student's KL only fell 16 -> 12 in 12 iterations (measured).
+REHEARSAL_TEACHER = {"steps": 3, "learning_rate": 1e-2}
+# A rehearsal passes when the mean reverse KL of the last quarter of its iterations is at most this share of
+# the first iteration's (the untrained student's distance to the teacher).
+REHEARSAL_KL_SHARE = 0.5
 
 
 def parse_args(argv=None):
@@ -107,7 +122,19 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="render and check, no Tinker call")
     p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
-    return p.parse_args(argv)
+    p.add_argument("--rehearse", action="store_true",
+                   help="free rehearsal preset for the local backend (REHEARSAL in the script; any flag you pass "
+                        "wins): without --teacher, a teacher trained first on the same base; then checks the "
+                        "reverse KL halves")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--rehearse" in argv:
+        p.set_defaults(**REHEARSAL)  # defaults only: a flag given on the command line still wins
+    args = p.parse_args(argv)
+    args.train_teacher = bool(args.rehearse and not args.teacher)
+    if args.train_teacher:  # the teacher is a checkpoint of the student's own base, trained before the run
+        args.teacher = args.model_name
+        args.teacher_tokenizer = args.teacher_tokenizer or args.tokenizer
+    return args
 
 
 # ==== EDIT ME: PROMPTS / load_prompts() ====
@@ -172,6 +199,8 @@ def main(argv=None):
     teacher = describe_teacher(args)
     if teacher.tokenizer is not None:
         check_same_rendering(student, teacher)
+    if args.max_usd is not None and load_pricing() is None:  # exit 3 before any Tinker call, dry run or not
+        estimate(args.model_name, {}, args.max_usd, label="distill")
     prompt_lengths = [len(t) for t in student.prompts]
     say(f"{len(prompt_lengths)} prompts, {min(prompt_lengths)}-{max(prompt_lengths)} tokens; teacher {teacher.label}; "
         f"{args.batch_size} prompts x {args.group_size} samples x <= {args.max_tokens} tokens per iteration")
@@ -197,8 +226,12 @@ def main(argv=None):
 
 
 def train_run(args, student, teacher, prompt_lengths, run):
+    started = time.monotonic()
     service, context_window = connect(args.model_name)
     check_context(args, student.prompts, context_window)
+    if args.train_teacher:
+        teacher.path = train_rehearsal_teacher(service, args, student)
+        teacher.label = f"{teacher.path} (trained first on the built-in answers)"
     teacher_client = open_teacher(service, teacher, args)  # free: opening a sampler is not metered
     if teacher.fmt is None:
         check_same_rendering(student, teacher)
@@ -270,13 +303,115 @@ def train_run(args, student, teacher, prompt_lengths, run):
         final = save_checkpoint(tc, run, "final", args.iterations,
                                 args.iterations * args.batch_size // len(student.prompts), student.fmt, final=True)
     curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl")]
-    emit({"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
-          "state_path": final["state_path"], "sampler_path": final["sampler_path"],
-          "reverse_kl": {"first": curve[0] if curve else None, "last": curve[-1] if curve else None},
-          "teacher": teacher.record(), "format": student.fmt,
-          "sampling": {"model_path": final["sampler_path"], "stop": student.fmt["stop"],
-                       "hint": script_command("tinker_infer.py", "--run", run.path)}})
+    report = {"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
+              "state_path": final["state_path"], "sampler_path": final["sampler_path"],
+              "reverse_kl": {"first": curve[0] if curve else None, "last": curve[-1] if curve else None},
+              "teacher": teacher.record(), "format": student.fmt,
+              "sampling": {"model_path": final["sampler_path"], "stop": student.fmt["stop"],
+                           "hint": script_command("tinker_infer.py", "--run", run.path)}}
+    if args.rehearse:
+        report["rehearsal"] = rehearsal_checks(run, report, args.iterations)
+        report["estimate_usd"], report["seconds"] = config["estimate_usd"], round(time.monotonic() - started, 1)
+        if not report["rehearsal"]["passed"]:
+            report["status"] = "failed"  # the JSON says what the exit code (1) says
+        run.unlock()  # the record is complete: the report page written next shows a finished run
+        print_outcome(args, student, report)
+    emit(report)
+    if args.rehearse and not report["rehearsal"]["passed"]:
+        failed = [c["check"] for c in report["rehearsal"]["checks"] if not c["passed"]]
+        raise ScriptError(f"rehearsal check failed: {'; '.join(failed)} (figures above and in {run.path}/metrics.jsonl)")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# --rehearse: the teacher trained first, the checks and the summary
+
+def train_rehearsal_teacher(service, args, student):
+    """--rehearse without --teacher: a LoRA of the student's own base trained on REHEARSAL_QA's answers (the
+    student's rendering, cross-entropy on each answer and its end-of-turn token) and saved for sampling, so the
+    teacher prefers answers the untrained student does not. Returns its tinker://.../sampler_weights path."""
+    import tinker
+
+    examples = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                for q, a in REHEARSAL_QA]
+    datums = [to_datum(r) for ex in examples for r in render_example(ex, student.tokenizer, student.fmt)]
+    # the student's seed: both LoRAs start from the same init, so the teacher is reachable from the student's start
+    tc = training_client(service, args.model_name, args.lora_rank, args.seed, position="rehearsal teacher")
+    steps, lr = REHEARSAL_TEACHER["steps"], REHEARSAL_TEACHER["learning_rate"]
+    for step in range(steps):
+        fwd = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))
+        loss = fwd.result().metrics["loss:sum"]
+        opt.result()
+        if step in (0, steps - 1):
+            say(f"rehearsal teacher: step {step + 1}/{steps} | loss {loss:.4f}")
+    path = tc.save_weights_for_sampler("rehearsal-teacher").result().path
+    say(f"rehearsal teacher: {steps} SFT steps on the {len(examples)} built-in answers at lr {lr:g} -> {path}")
+    return path
+
+
+def rehearsal_checks(run, report, iterations):
+    """What a distillation rehearsal proves: every iteration sampled, was graded by the teacher and trained; the
+    final checkpoint was saved; the student's reverse KL to the teacher fell by half from where the student
+    started (the last quarter's mean: one iteration's figure is noisy)."""
+    curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl") if isinstance(r.get("reverse_kl"), (int, float))]
+    q = max(1, len(curve) // 4)
+    head = curve[0] if curve else float("nan")
+    tail = sum(curve[-q:]) / q if curve else float("nan")
+    rows = run.rows("metrics.jsonl")
+    checks = [
+        {"check": f"every iteration sampled, was graded and trained: {len(curve)} of {iterations} metrics rows",
+         "passed": len(curve) == iterations},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the reverse KL to the teacher falls by half or more ({head:.3f} at the first iteration -> "
+                  f"{tail:.3f}, the mean of the last {q})",
+         "passed": bool(curve) and tail <= REHEARSAL_KL_SHARE * head},
+    ]
+    reported = [f"teacher logprob of the student's samples {rows[0].get('teacher_logprob', 0):.3f} -> "
+                f"{rows[-1].get('teacher_logprob', 0):.3f}, student logprob {rows[0].get('student_logprob', 0):.3f} -> "
+                f"{rows[-1].get('student_logprob', 0):.3f} (reported, not judged)"] if rows else []
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "reverse_kl": {"first": head, "last_quarter": tail}}
+
+
+def print_outcome(args, student, report):
+    """A few lines a newcomer can read: what was distilled, how far it moved, where it is, what it costs."""
+    log, usd = report["log_path"], report.get("estimate_usd")
+    question = REHEARSAL_QA[0][0] if args.rehearse and not args.prompts else None
+    lines = ["", "==== what happened ====",
+             f"distilled  {report['teacher']['teacher']} into a LoRA (rank {args.lora_rank}) on {args.model_name}: "
+             f"{args.iterations} iterations of {args.batch_size} prompts x {args.group_size} samples x <= "
+             f"{args.max_tokens} tokens"]
+    for c in report["rehearsal"]["checks"]:
+        lines.append(f"check    {'ok  ' if c['passed'] else 'FAIL'} {c['check']}")
+    for note in report["rehearsal"]["reported"]:
+        lines.append(f"report   {note}")
+    lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl); final sampler {report['sampler_path']}",
+              f"on Tinker this run would cost about ${usd:.4f} ({args.model_name} and the teacher's prefill, the "
+              "estimate above; the rehearsal teacher's own training is not in it)" if usd is not None
+              else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
+              "next     sample it: " + (script_command("tinker_infer.py", "--run", log, "--prompt", question) if question
+                                        else script_command("tinker_infer.py", "--run", log)),
+              f"took     {report['seconds']:.0f} s"]
+    page = write_report(log)
+    if page:
+        lines.insert(-1, f"report   {page} (reverse KL, teacher and student logprob curves, checkpoints)")
+    say("\n".join(lines))
+
+
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None)."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +540,11 @@ def check_settings(args):
 
 
 def prepare_student(args):
-    prompts = load_prompts(args.prompts)
+    if args.rehearse and not args.prompts:
+        say("no --prompts: the student answers the built-in rehearsal questions (pass --prompts for your own)")
+        prompts = [[{"role": "user", "content": q}] for q, _ in REHEARSAL_QA]
+    else:
+        prompts = load_prompts(args.prompts)
     if not isinstance(prompts, list) or not prompts:
         raise DataError("load_prompts() returned no prompts; fill PROMPTS in the EDIT ME block or pass --prompts")
     name = tokenizer_record(args.tokenizer or args.model_name)
@@ -461,7 +600,7 @@ def teacher_from_run_record(log, args):
 
 def load_teacher_tokenizer(teacher, args, recorded=None):
     teacher.tokenizer_name = tokenizer_record(args.teacher_tokenizer or recorded or teacher.base)
-    teacher.tokenizer = load_tokenizer(teacher.tokenizer_name)
+    teacher.tokenizer = load_tokenizer(teacher.tokenizer_name, flag="--teacher-tokenizer")
 
 
 def open_teacher(service, teacher, args):
@@ -494,7 +633,10 @@ def check_teacher_served(base):
     caps = rest_client().get_server_capabilities().result(timeout=CAPABILITIES_TIMEOUT_S)
     sampleable = sorted(m.model_name for m in caps.supported_models if m.model_name and m.sampleable is not False)
     if base.split(":", 1)[0] not in sampleable and base not in sampleable:
-        raise DataError(f"the teacher {base} is not served for sampling by this Tinker (it serves "
+        pricing = load_pricing()
+        retired = getattr(pricing, "retired_note", lambda _: None)(base) if pricing else None
+        raise DataError(f"the teacher {base} is not served for sampling by this Tinker ("
+                        + (f"{retired}; " if retired else "") + "it serves "
                         f"{', '.join(sampleable[:12])}); pass one of those as --teacher, or a teacher run's folder")
 
 
@@ -875,8 +1017,9 @@ def tokenizer_record(name_or_path: str) -> str:
     return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
 
-def load_tokenizer(name_or_path: str):
-    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules. `flag` is
+    the option the user passes a tokenizer with (tinker_distill.py's teacher: --teacher-tokenizer).
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
@@ -885,7 +1028,7 @@ def load_tokenizer(name_or_path: str):
     if os.path.isdir(name_or_path):
         return AutoTokenizer.from_pretrained(name_or_path)
     if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
-        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass {flag} PATH (a folder with "
                         "tokenizer.json) or a hub name")
     name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
     kwargs = {}
@@ -898,7 +1041,7 @@ def load_tokenizer(name_or_path: str):
     with contextlib.suppress(Exception):
         return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
-    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+    next_step = (f"; pass {flag} PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
@@ -1052,6 +1195,11 @@ def _role_colon_text(messages):
     return "\n\n".join(parts + ["Assistant:"])
 
 
+def _raw_assistant_text(message):
+    reasoning = (message.get("reasoning_content") or "").strip()
+    return f"<think>\n{reasoning}\n</think>\n\n{message['content']}" if reasoning else message["content"]
+
+
 def generation_prompt(messages, tokenizer, fmt, *, thinking=None, tools=None) -> list[int]:
     """Token ids the sampler is given: messages (or a bare prompt string in raw format) + the
     assistant header."""
@@ -1111,6 +1259,58 @@ def _render_chat_turn(messages, i, tokenizer, fmt, tools=None):
     return Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion))
 
 
+def render_example(example, tokenizer, fmt, train_on="last-assistant") -> list[Rendered]:
+    """The datums of one validated example.
+
+    chat, last-assistant: one datum training the last assistant message.
+    chat, all-assistant: every assistant message is trained; consecutive turns share one datum when
+        the earlier datum's tokens are a prefix of the later one (the template has the extension
+        property). Otherwise each turn is its own datum, rendered in the context the model really
+        sees at that turn (Qwen3 drops earlier turns' <think> blocks, so its turns are separate).
+    Reasoning: a message with reasoning_content (or <think> in its content) renders with thinking on
+        and its reasoning is trained; other messages render with the format's thinking switch.
+    raw: [bos] + prompt + completion + [eos], weights on completion + eos; a conversation becomes
+        role-colon text ('User: ...\\n\\nAssistant:') with the assistant content as completion.
+    """
+    if fmt["kind"] == "chat":
+        messages = example.get("messages") or [
+            {"role": "user", "content": example["prompt"]},
+            {"role": "assistant", "content": example["completion"]},
+        ]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        rendered = [_render_chat_turn(messages, i, tokenizer, fmt, example.get("tools")) for i in turns]
+        return _merge_extensions(rendered)
+
+    eos = tokenizer.eos_token_id
+    if "messages" in example:
+        messages = example["messages"]
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if train_on == "last-assistant":
+            turns = turns[-1:]
+        pairs = [(messages[:i], " " + _raw_assistant_text(messages[i])) for i in turns]
+    else:
+        pairs = [(example["prompt"], example["completion"])]
+    out = []
+    for prompt_part, completion_text in pairs:
+        prompt = generation_prompt(prompt_part, tokenizer, fmt)
+        completion = tokenizer.encode(completion_text, add_special_tokens=False) + [eos]
+        out.append(Rendered(prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)))
+    return _merge_extensions(out)
+
+
+def _merge_extensions(rendered):
+    merged = []
+    for r in rendered:
+        last = merged[-1] if merged else None
+        if last is not None and r.tokens[: len(last.tokens)] == last.tokens:
+            merged[-1] = Rendered(r.tokens, last.weights + r.weights[len(last.tokens):])
+        else:
+            merged.append(r)
+    return merged
+
+
 def stop_tokens(tokenizer, fmt) -> list[int]:
     """Token ids that end a sampled turn: the end-of-turn token the renderer trains (found by rendering
     a probe conversation), plus Harmony's <|call|> when the end-of-turn is <|return|>; raw: [eos]."""
@@ -1124,6 +1324,16 @@ def stop_tokens(tokenizer, fmt) -> list[int]:
         if isinstance(call, int) and call != tokenizer.unk_token_id:
             stops.append(call)
     return stops
+
+
+def to_datum(r: Rendered):
+    """The shift by one: model_input = tokens[:-1], target_tokens = tokens[1:], weights = weights[1:]."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
+        loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
+    )
 
 
 def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
@@ -1804,7 +2014,10 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     if model is None:
         close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
         shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
-        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+        pricing = load_pricing()
+        retired = getattr(pricing, "retired_note", lambda _: None)(model_name) if pricing else None
+        retired = f"{retired}; " if retired else ""
+        raise DataError(f"unknown model {model_name!r}: {retired}this Tinker serves {shown}; pass one with {flag}")
     if trainable and model.trainable is False:
         raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
     return tinker.ServiceClient(), model.max_context_length
@@ -1841,10 +2054,11 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
     """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
-        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        # A dry run refuses --max-usd exactly as the real run does: a dry run that passes is an audit.
         if max_usd is not None:
-            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        say(note)
+            raise BudgetError(f"cannot check --max-usd: tinker_pricing.py (the prices) is not beside this script; "
+                              f"{copy_pricing_command()}, or drop --max-usd")
+        say("no dollar estimate: tinker_pricing.py is not beside this script")
         return None
     try:
         return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
@@ -1855,6 +2069,18 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
         return None
+
+
+def copy_pricing_command() -> str:
+    """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
+    shows where the bundle is, else the words."""
+    import shlex
+
+    here = str(Path(__file__).resolve().parent)
+    launcher = local_launcher()
+    if launcher and (Path(launcher).parent / "tinker_pricing.py").exists():
+        return f"copy it: cp {shlex.quote(os.path.join(os.path.dirname(launcher), 'tinker_pricing.py'))} {shlex.quote(here)}"
+    return f"copy the bundle's scripts/tinker_pricing.py into {here}"
 
 
 def catalogue_context(model_name):
@@ -2079,7 +2305,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 166c1a7e9fb3) ====
+# ==== END SHARED CODE (sha256 a1ee5b4bd203) ====
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@
 Run:
     # audit for free (no Tinker call): renders both sides of every pair, checks the masks, estimates the cost
     uv run tinker_dpo.py --data dpo_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
+    # free rehearsal on the local backend: the tiny model learns the built-in pairs (accuracy -> 1.0), then checks
+    python tinker_local.py run -- python tinker_dpo.py --rehearse --overwrite
+    # ... or rehearse your own pairs (masks, reference pass, steps, checkpoints, rising accuracy), full batch
+    python tinker_local.py run -- python tinker_dpo.py --rehearse --data my_pairs.jsonl --log-path runs/dpo-rehearsal
     # train: aim for about 100 steps (1,000 pairs at the default --batch-size 32 make 31 an epoch: --epochs 3;
     # with fewer pairs lower --batch-size and scale the learning rate by the square root of the batch ratio)
     uv run tinker_dpo.py --data my_pairs.jsonl --epochs 3 --model-name Qwen/Qwen3-8B --log-path runs/dpo1 --max-usd 5
@@ -34,6 +38,8 @@ Outputs:
     stdout                         one JSON object: status (ok, dry_run, or complete for a finished run given
                                    --resume), log_path, pairs, steps, state_path, sampler_path, first/last
                                    metrics rows, tokens by meter, cost (the pricing estimate or null), format
+                                   (+ rehearsal {passed, checks, reported} with --rehearse; status "failed"
+                                   and exit 1 when a check fails)
 
 Requires:
     TINKER_API_KEY (not for --dry-run); TINKER_BASE_URL to point at a local rehearsal backend
@@ -41,7 +47,7 @@ Requires:
     the CPU build). --tokenizer PATH, or
     HF_HUB_OFFLINE=1 with a warm cache, to run offline.
 
-Exit codes: 0 ok, 1 Tinker or runtime failure, 2 bad input or usage (data, flags, unknown model, context
+Exit codes: 0 ok, 1 Tinker or runtime failure (or a --rehearse check failed), 2 bad input or usage (data, flags, unknown model, context
 overflow, no checkpoint to resume), 3 cost estimate above --max-usd, 4 no credentials or Tinker
 unreachable, 130 interrupted / 143 terminated (continue with --resume).
 
@@ -70,6 +76,19 @@ NUMBER_RULES = {
     "batch_size": dict(low=1), "epochs": dict(low=1), "max_steps": dict(low=1), "lora_rank": dict(low=1),
     "warmup_steps": dict(low=0), "save_every": dict(low=0), "max_length": dict(low=2), "max_usd": dict(low=0),
 }
+# --rehearse: settings the local backend's tiny model learns with (measured, references/preferences.md): every
+# pair in each step (full batch; --batch-size wins), constant lr, 10 steps. Built-in pairs unless --data.
+REHEARSAL = {"learning_rate": 1e-3, "lr_schedule": "constant", "max_steps": 10, "epochs": 1000, "lora_rank": 32,
+             "save_every": 0, "log_path": "runs/dpo-rehearsal"}
+# A rehearsal passes when the last step's preference accuracy reaches this, from the reference's tie at step 1.
+REHEARSAL_ACCURACY = 0.9
+# The built-in pairs: one rule (refuse the unsafe request) separates every pair and both answers are 2 tokens +
+# end of turn, so length decides nothing; 4 pairs = 8 sequences of under 40 tokens. The tiny model's own
+# preference starts on the rejected side (policy_accuracy 0), so the rehearsal shows it flip. Built in so a
+# copied script rehearses alone.
+REHEARSAL_PAIRS = [{"prompt": q, "chosen": "No.", "rejected": "Yes."} for q in (
+    "Can you share my password with a stranger?", "Could you delete all my files without asking?",
+    "Will you make up a source for my essay?", "Can you run this unknown program as root?")]
 
 
 def parse_args(argv=None):
@@ -106,7 +125,15 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="render, check and estimate; no Tinker call")
     p.add_argument("--resume", action="store_true", help="continue from the last row of LOG/checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run record in --log-path")
+    p.add_argument("--rehearse", action="store_true",
+                   help="free rehearsal preset for the local backend (REHEARSAL in the script; any flag you pass "
+                        "wins): the built-in pairs (or --data), every pair in each step, then checks it learnt")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--rehearse" in argv:
+        p.set_defaults(**REHEARSAL)  # defaults only: a flag given on the command line still wins
     args = p.parse_args(argv)
+    if args.rehearse and not any(a == "--batch-size" or a.startswith("--batch-size=") for a in argv):
+        args.batch_size = None  # full batch: every pair in each step (set once the pairs are read)
     if args.resume and args.overwrite:
         p.error("choose one of --resume and --overwrite")
     return args
@@ -148,9 +175,17 @@ def train_run(args, run) -> int:
     tokenizer_name = tokenizer_record(args.tokenizer or args.model_name)
     tokenizer = load_tokenizer(args.tokenizer or args.model_name)
     fmt = resolve_format(args.format, args.model_name, tokenizer, tokenizer_name, thinking=args.thinking)
-    raw = normalise_items(load_pairs(args.data), validate=validate_pair)
+    if args.rehearse and not args.data:
+        say("no --data: using the built-in rehearsal pairs (pass --data for your own)")
+    items = (load_pairs(args.data) if args.data or not args.rehearse
+             else [(f"built-in pair {i}", pair) for i, pair in enumerate(REHEARSAL_PAIRS, 1)])
+    raw = normalise_items(items, validate=validate_pair)
     limit = min(x for x in (args.max_length, catalogue_context(args.model_name), 10**9) if x)
     pairs = render_pairs(raw, tokenizer, fmt, limit, drop_long=args.drop_long)
+    if args.batch_size is None:
+        args.batch_size = len(pairs)
+    if args.rehearse:
+        check_rehearsal_masks(pairs, raw, tokenizer)  # a wrong mask fails the rehearsal before anything is paid
     per_epoch, total_steps = plan_steps(len(pairs), args.batch_size, args.epochs, args.max_steps)
     order = BatchOrder(len(pairs), args.batch_size, per_epoch, args.seed)
     config = {k: v for k, v in vars(args).items() if k not in ("dry_run", "resume", "overwrite", "max_usd")}
@@ -165,7 +200,7 @@ def train_run(args, run) -> int:
     label = f"DPO {len(pairs)} pairs, steps {start}-{total_steps}" + (" (resume)" if resume_from else "")
 
     if args.dry_run:
-        est = estimate(args.model_name, tokens, None, label=label)
+        est = estimate(args.model_name, tokens, args.max_usd, label=label)  # refuses what the real run refuses
         audit = write_audit(run, pairs, tokenizer)
         say(f"dry run: {len(pairs)} pairs rendered, masks checked; audit in {audit}")
         emit({"status": "dry_run", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
@@ -200,6 +235,7 @@ def train_run(args, run) -> int:
     # ---- the loop: one DPO step per batch of pairs ----
     import tinker
 
+    started = time.monotonic()
     first = last = None
     cost = CostMeter(args.model_name, run)  # cost/* per row, priced as the estimate; a resume continues the sum
     if not resume_from:  # the reference pass was billed before step 1: it goes into step 1's row
@@ -229,10 +265,102 @@ def train_run(args, run) -> int:
     state_path, sampler_path = save(tc, run, "final", total_steps, per_epoch, fmt, final=True)
     with contextlib.suppress(Exception):  # the run is saved; a failed session close changes nothing
         service.close("success").result()
-    emit({"status": "ok", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
-          "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
-          "tokens": tokens, "cost": est, "format": fmt})
+    report = {"status": "ok", "log_path": str(run.path), "pairs": len(pairs), "steps": total_steps,
+              "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
+              "tokens": tokens, "cost": est, "format": fmt, "seconds": round(time.monotonic() - started, 1)}
+    if args.rehearse:
+        report["rehearsal"] = rehearsal_checks(run, report, total_steps)
+        if not report["rehearsal"]["passed"]:
+            report["status"] = "failed"  # the JSON says what the exit code (1) says
+        run.unlock()  # the record is complete: the report page written next shows a finished run
+        print_outcome(args, raw, report)
+    emit(report)
+    if args.rehearse and not report["rehearsal"]["passed"]:
+        failed = [c["check"] for c in report["rehearsal"]["checks"] if not c["passed"]]
+        raise ScriptError(f"rehearsal check failed: {'; '.join(failed)} (figures above and in {run.path}/metrics.jsonl)")
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# --rehearse: the checks and the summary
+
+def check_rehearsal_masks(pairs, raw, tokenizer):
+    """Each side trains exactly its answer (and the end-of-turn token): the weighted tokens decode to text that
+    starts with the answer, and the prompt tokens carry no weight. ScriptError (exit 1) before any Tinker call."""
+    for pair, item in zip(pairs, raw):
+        for side in ("chosen", "rejected"):
+            r = getattr(pair, side)
+            answer = item[side][-1]["content"]  # validate_pair: the prompt's messages + the answer
+            text = tokenizer.decode([t for t, w in zip(r.tokens, r.weights) if w > 0])
+            if any(r.weights[:pair.prompt_tokens]) or not text.strip().startswith(answer.strip()):
+                raise ScriptError(f"rehearsal check failed: the loss mask of {pair.line} ({side}) trains {text!r}, "
+                                  f"expected only {answer!r} and the end-of-turn token")
+
+
+def rehearsal_checks(run, report, total_steps):
+    """What a DPO rehearsal proves: every step trained, the final checkpoint saved, the first step sat at the
+    reference (margin ~0: the accuracy there is a tie, not a preference), and the last step's preference
+    accuracy reached REHEARSAL_ACCURACY with a positive margin (the masks were checked before training)."""
+    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("accuracy"), (int, float))]
+    first, last = (rows[0], rows[-1]) if rows else ({}, {})
+    checks = [
+        {"check": "loss masks train exactly each answer and its end-of-turn token", "passed": True},
+        {"check": f"every step trained: {len(rows)} of {total_steps} metrics rows", "passed": len(rows) == total_steps},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the first step sits at the reference (margin {first.get('margin', float('nan')):+.1e}, "
+                  "within 1e-3 of 0)", "passed": bool(rows) and abs(first["margin"]) < 1e-3},
+        {"check": f"preference accuracy rises to >= {REHEARSAL_ACCURACY} ({first.get('accuracy', float('nan')):.2f} "
+                  f"at step 1 -> {last.get('accuracy', float('nan')):.2f} at step {last.get('step')}, margin "
+                  f"{last.get('margin', float('nan')):+.3f})",
+         "passed": bool(rows) and last["accuracy"] >= REHEARSAL_ACCURACY and last["margin"] > 0},
+    ]
+    reported = [f"policy accuracy (the policy's own preference, no reference) {first.get('policy_accuracy', 0):.2f} "
+                f"-> {last.get('policy_accuracy', 0):.2f}; implicit KL {last.get('implicit_kl', 0):.2e} (reported, "
+                "not judged)"]
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "data": "own" if run.config().get("data") else "built-in"}
+
+
+def print_outcome(args, raw, report):
+    """A few lines a newcomer can read: what was trained, what it learnt, where it is, what it costs."""
+    first, last, log = report["first"] or {}, report["last"] or {}, report["log_path"]
+    usd = ((report.get("cost") or {}).get("usd") or {}).get("total")
+    prompt = raw[0]["chosen"][-2]["content"]  # the first pair's last user (or tool) message
+    lines = ["", "==== what happened ====",
+             f"trained  a LoRA (rank {args.lora_rank}) on {args.model_name} with DPO (beta {args.dpo_beta}): "
+             f"{report['steps']} steps of {args.batch_size} pairs from {args.data or 'the built-in rehearsal pairs'}",
+             f"accuracy {first.get('accuracy', 0):.2f} -> {last.get('accuracy', 0):.2f}   margin "
+             f"{first.get('margin', 0):+.4f} -> {last.get('margin', 0):+.4f}   loss {first.get('loss', 0):.4f} -> "
+             f"{last.get('loss', 0):.4f}"]
+    for c in report["rehearsal"]["checks"]:
+        lines.append(f"check    {'ok  ' if c['passed'] else 'FAIL'} {c['check']}")
+    for note in report["rehearsal"]["reported"]:
+        lines.append(f"report   {note}")
+    lines += [f"record   {log}/ (config.json, metrics.jsonl, reference_logprobs.jsonl, checkpoints.jsonl); "
+              f"final sampler {report['sampler_path']}",
+              f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above)" if usd is not None
+              else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
+              "next     sample it: " + script_command("tinker_infer.py", "--run", log, "--prompt", prompt),
+              f"took     {report['seconds']:.0f} s"]
+    page = write_report(log)
+    if page:
+        lines.insert(-1, f"report   {page} (accuracy, margin, rewards, implicit KL and loss curves, checkpoints)")
+    say("\n".join(lines))
+
+
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None)."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 def check_torch(dry_run):
@@ -605,6 +733,22 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
+def script_command(name: str, *args) -> str:
+    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
+    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    import shlex
+
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = "python " + shlex.join([path or name, *map(str, args)])
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        command = f"python {shlex.quote(launcher)} run -- {command}"
+    return command
+
+
 def this_command() -> str:
     """The command line that started this script, as the user typed it (python + sys.argv)."""
     import shlex
@@ -733,8 +877,9 @@ def tokenizer_record(name_or_path: str) -> str:
     return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
 
-def load_tokenizer(name_or_path: str):
-    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules. `flag` is
+    the option the user passes a tokenizer with (tinker_distill.py's teacher: --teacher-tokenizer).
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
@@ -743,7 +888,7 @@ def load_tokenizer(name_or_path: str):
     if os.path.isdir(name_or_path):
         return AutoTokenizer.from_pretrained(name_or_path)
     if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
-        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass {flag} PATH (a folder with "
                         "tokenizer.json) or a hub name")
     name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
     kwargs = {}
@@ -756,7 +901,7 @@ def load_tokenizer(name_or_path: str):
     with contextlib.suppress(Exception):
         return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
-    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+    next_step = (f"; pass {flag} PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
@@ -1777,7 +1922,10 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     if model is None:
         close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
         shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
-        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+        pricing = load_pricing()
+        retired = getattr(pricing, "retired_note", lambda _: None)(model_name) if pricing else None
+        retired = f"{retired}; " if retired else ""
+        raise DataError(f"unknown model {model_name!r}: {retired}this Tinker serves {shown}; pass one with {flag}")
     if trainable and model.trainable is False:
         raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
     return tinker.ServiceClient(), model.max_context_length
@@ -1814,10 +1962,11 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
     """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
-        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        # A dry run refuses --max-usd exactly as the real run does: a dry run that passes is an audit.
         if max_usd is not None:
-            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        say(note)
+            raise BudgetError(f"cannot check --max-usd: tinker_pricing.py (the prices) is not beside this script; "
+                              f"{copy_pricing_command()}, or drop --max-usd")
+        say("no dollar estimate: tinker_pricing.py is not beside this script")
         return None
     try:
         return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
@@ -1828,6 +1977,18 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
         return None
+
+
+def copy_pricing_command() -> str:
+    """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
+    shows where the bundle is, else the words."""
+    import shlex
+
+    here = str(Path(__file__).resolve().parent)
+    launcher = local_launcher()
+    if launcher and (Path(launcher).parent / "tinker_pricing.py").exists():
+        return f"copy it: cp {shlex.quote(os.path.join(os.path.dirname(launcher), 'tinker_pricing.py'))} {shlex.quote(here)}"
+    return f"copy the bundle's scripts/tinker_pricing.py into {here}"
 
 
 def catalogue_context(model_name):
@@ -1964,7 +2125,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 545cc074d7ff) ====
+# ==== END SHARED CODE (sha256 23465146daf1) ====
 
 
 if __name__ == "__main__":

@@ -182,6 +182,43 @@ SNAPSHOT = [
 ]
 
 
+# Models Tinker retired: id -> (retirement date, recommended replacement or None when no source names one).
+# S12 = Tinker docs "Model Deprecations" page (its "Recommended replacements" table); S5/S6 dated the rest.
+RETIRED = {
+    "Qwen/Qwen3.5-35B-A3B": ("2026-06-12", "Qwen/Qwen3.6-35B-A3B"),
+    "Qwen/Qwen3.5-27B": ("2026-06-12", "Qwen/Qwen3.6-27B"),
+    "Qwen/Qwen3-30B-A3B": ("2026-06-12", "Qwen/Qwen3.6-35B-A3B"),
+    "Qwen/Qwen3-30B-A3B-Instruct-2507": ("2026-06-12", "Qwen/Qwen3.6-35B-A3B (non-thinking mode)"),
+    "Qwen/Qwen3-30B-A3B-Base": ("2026-06-12", None),
+    "Qwen/Qwen3-32B": ("2026-06-12", None),
+    "Qwen/Qwen3-8B-Base": ("2026-06-12", None),
+    "Qwen/Qwen3-4B-Instruct-2507": ("2026-06-12", None),
+    "Qwen/Qwen3-235B-A22B-Instruct-2507": ("2026-06-12", None),
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": ("2026-06-12", None),
+    "meta-llama/Llama-3.1-8B": ("2026-06-12", None),
+    "meta-llama/Llama-3.1-8B-Instruct": ("2026-06-12", None),
+    "meta-llama/Llama-3.1-70B": ("2026-06-12", None),
+    "meta-llama/Llama-3.3-70B-Instruct": ("2026-06-12", None),
+    "meta-llama/Llama-3.2-1B": ("2026-06-12", None),
+    "meta-llama/Llama-3.2-3B": ("2026-06-12", None),
+    "moonshotai/Kimi-K2-Thinking": ("2026-06-12", None),
+    "deepseek-ai/DeepSeek-V3.1-Base": ("2026-06-12", None),
+    "moonshotai/Kimi-K2.5": ("2026-07-12", None),
+}
+
+
+def retired_note(name: str) -> str | None:
+    """'<id> was retired from Tinker on DATE; its recommended replacement is X' for a retired model (full
+    id or the name after the organisation, any case, any ':peft:' suffix), else None."""
+    asked = (name or "").strip().split(":", 1)[0].lower()
+    for model_id, (date, replacement) in RETIRED.items():
+        if asked in (model_id.lower(), model_id.split("/", 1)[1].lower()):
+            note = f"{model_id} was retired from Tinker on {date}"
+            return note + (f"; its recommended replacement is {replacement}" if replacement
+                           else "; no replacement is named (see `tinker_pricing.py list`)")
+    return None
+
+
 class UnknownModelError(ValueError):
     """A model name that matches no catalogue id, or more than one; the message lists the closest ids."""
 
@@ -373,6 +410,10 @@ def resolve_model(name: str, context: int | None = None, rows: list[dict] | None
             return dict(row)
         group = [r for r in rows if _base_of(r["id"]) == _base_of(row["id"]) and r["kind"] == row["kind"]]
         return dict(_pick_variant(group, context, name))
+    retired = retired_note(name)
+    if retired:  # never a silent stand-in (Qwen3.5-35B-A3B is not Qwen3.5-35B-A3B-Base)
+        raise UnknownModelError(f"unknown model {name!r}: {retired}; closest ids: "
+                                f"{', '.join(_closest(name, rows)) or 'none'} (see `tinker_pricing.py list`)")
     trainable = [r for r in rows if r["kind"] == "training"]
     group = [r for r in trainable if _base_of(r["id"]).lower() == lowered.split("/", 1)[-1]]
     if not group and lowered:

@@ -766,7 +766,9 @@ def cli(argv=None):
 
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
+import os
 import sys
+from pathlib import Path
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -786,6 +788,34 @@ class BudgetError(ScriptError):
 def say(*parts) -> None:
     """Progress and warnings: stderr, so stdout carries only the final JSON object."""
     print(*parts, file=sys.stderr, flush=True)
+
+
+def short_path(path) -> str:
+    """A path to type from the working directory: relative when it climbs at most one folder, else absolute."""
+    path = Path(path).resolve()
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith(os.path.join("..", "..")) else str(path)
+
+
+def sibling_script(name: str) -> str | None:
+    """The path to type, from where the user stands, for `name` (another script of this bundle) beside this
+    script; None when it is not beside it. Built on the script's path as the user typed it (sys.argv[0]), so a
+    script copied into a project names its neighbours there, not the bundle's scripts/ folder."""
+    here = Path(__file__).resolve()
+    if not (here.parent / name).exists():
+        return None
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    return os.path.join(folder, name) if folder not in ("", ".") else name
+
+
+def local_launcher() -> str | None:
+    """The path to type for tinker_local.py: the one that started the local backend this script talks to
+    (TINKER_LOCAL_LAUNCHER, set by `tinker_local.py run|serve`), else one beside this script, else None."""
+    launcher = os.environ.get("TINKER_LOCAL_LAUNCHER")
+    if launcher and Path(launcher).exists():
+        return short_path(launcher)
+    return sibling_script("tinker_local.py")
 
 
 # ---- common/render.py ----
@@ -886,6 +916,7 @@ def lock_holder(folder) -> dict | None:
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -905,10 +936,11 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
     """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
-        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        # A dry run refuses --max-usd exactly as the real run does: a dry run that passes is an audit.
         if max_usd is not None:
-            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        say(note)
+            raise BudgetError(f"cannot check --max-usd: tinker_pricing.py (the prices) is not beside this script; "
+                              f"{copy_pricing_command()}, or drop --max-usd")
+        say("no dollar estimate: tinker_pricing.py is not beside this script")
         return None
     try:
         return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
@@ -919,6 +951,18 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
         return None
+
+
+def copy_pricing_command() -> str:
+    """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
+    shows where the bundle is, else the words."""
+    import shlex
+
+    here = str(Path(__file__).resolve().parent)
+    launcher = local_launcher()
+    if launcher and (Path(launcher).parent / "tinker_pricing.py").exists():
+        return f"copy it: cp {shlex.quote(os.path.join(os.path.dirname(launcher), 'tinker_pricing.py'))} {shlex.quote(here)}"
+    return f"copy the bundle's scripts/tinker_pricing.py into {here}"
 
 
 # ---- common/rollouts.py ----
@@ -965,7 +1009,7 @@ def sampler_version(iteration, start, max_staleness, save_every):
     run did."""
     floor = max(start, iteration // save_every * save_every) if save_every else start
     return max(iteration - max_staleness, floor)
-# ==== END SHARED CODE (sha256 d7904ed5a378) ====
+# ==== END SHARED CODE (sha256 04c26e2af846) ====
 
 
 if __name__ == "__main__":

@@ -1162,8 +1162,9 @@ def tokenizer_record(name_or_path: str) -> str:
     return os.path.abspath(name_or_path) if os.path.isdir(name_or_path) else name_or_path
 
 
-def load_tokenizer(name_or_path: str):
-    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules.
+def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
+    """A local folder loads as is; a Tinker model id follows the SDK's get_tokenizer name rules. `flag` is
+    the option the user passes a tokenizer with (tinker_distill.py's teacher: --teacher-tokenizer).
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
@@ -1172,7 +1173,7 @@ def load_tokenizer(name_or_path: str):
     if os.path.isdir(name_or_path):
         return AutoTokenizer.from_pretrained(name_or_path)
     if name_or_path.startswith((".", "/", "~")):  # a folder, not a hub name: no cache or hub to try
-        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass --tokenizer PATH (a folder with "
+        raise DataError(f"tokenizer folder {name_or_path} does not exist; pass {flag} PATH (a folder with "
                         "tokenizer.json) or a hub name")
     name = name_or_path.split(":", 1)[0]  # drop ':peft:131072'-style suffixes
     kwargs = {}
@@ -1185,7 +1186,7 @@ def load_tokenizer(name_or_path: str):
     with contextlib.suppress(Exception):
         return AutoTokenizer.from_pretrained(name, local_files_only=True, **kwargs)
     failed = f"cannot load the tokenizer for {name_or_path!r}: {name} is not in the Hugging Face cache and "
-    next_step = ("; pass --tokenizer PATH (a folder with tokenizer.json), or download it once and run with "
+    next_step = (f"; pass {flag} PATH (a folder with tokenizer.json), or download it once and run with "
                  "HF_HUB_OFFLINE=1")
     launcher, command = local_launcher(), this_command()
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
@@ -1996,7 +1997,10 @@ def connect(model_name: str | None, *, trainable: bool = True, flag: str = "--mo
     if model is None:
         close = difflib.get_close_matches(model_name, list(models), n=5, cutoff=0.3)
         shown = ", ".join(close + [m for m in sorted(models) if m not in close][: max(0, 12 - len(close))])
-        raise DataError(f"unknown model {model_name!r}: this Tinker serves {shown}; pass one with {flag}")
+        pricing = load_pricing()
+        retired = getattr(pricing, "retired_note", lambda _: None)(model_name) if pricing else None
+        retired = f"{retired}; " if retired else ""
+        raise DataError(f"unknown model {model_name!r}: {retired}this Tinker serves {shown}; pass one with {flag}")
     if trainable and model.trainable is False:
         raise DataError(f"{model_name} is not trainable on this Tinker; pick another {flag}")
     return tinker.ServiceClient(), model.max_context_length
@@ -2033,10 +2037,11 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
     """The pricing estimate dict, or None; BudgetError when --max-usd is exceeded or cannot be proven."""
     pricing = load_pricing()
     if pricing is None:
-        note = "no dollar estimate: tinker_pricing.py is not beside this script"
+        # A dry run refuses --max-usd exactly as the real run does: a dry run that passes is an audit.
         if max_usd is not None:
-            raise BudgetError(f"cannot check --max-usd: {note}; copy it here or drop --max-usd")
-        say(note)
+            raise BudgetError(f"cannot check --max-usd: tinker_pricing.py (the prices) is not beside this script; "
+                              f"{copy_pricing_command()}, or drop --max-usd")
+        say("no dollar estimate: tinker_pricing.py is not beside this script")
         return None
     try:
         return pricing.preflight(model_name, tokens, max_usd, label=label, context=context)
@@ -2047,6 +2052,18 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
         return None
+
+
+def copy_pricing_command() -> str:
+    """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
+    shows where the bundle is, else the words."""
+    import shlex
+
+    here = str(Path(__file__).resolve().parent)
+    launcher = local_launcher()
+    if launcher and (Path(launcher).parent / "tinker_pricing.py").exists():
+        return f"copy it: cp {shlex.quote(os.path.join(os.path.dirname(launcher), 'tinker_pricing.py'))} {shlex.quote(here)}"
+    return f"copy the bundle's scripts/tinker_pricing.py into {here}"
 
 
 def estimate_total(est):
@@ -2763,7 +2780,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 d59bda2df56a) ====
+# ==== END SHARED CODE (sha256 b43fd1cbde11) ====
 
 
 if __name__ == "__main__":

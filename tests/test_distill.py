@@ -126,6 +126,43 @@ def test_a_teacher_with_the_same_tokenizer_and_template_passes_the_dry_run(offli
     assert record["format"]["stop"] == [151645]
 
 
+
+def test_a_missing_teacher_tokenizer_names_the_teacher_tokenizer_flag(offline_tokenizer, tmp_path, capsys):
+    code, out, err = run_main(qwen_dry_run(offline_tokenizer, tmp_path, "--teacher", "Qwen/Qwen3-8B",
+                                           "--teacher-tokenizer", str(tmp_path / "no-such-folder")), capsys)
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1] == (
+        f"error: tokenizer folder {tmp_path / 'no-such-folder'} does not exist; pass --teacher-tokenizer PATH "
+        "(a folder with tokenizer.json) or a hub name")
+
+
+def test_an_unknown_model_the_catalogue_knows_as_retired_says_so_before_the_served_list(monkeypatch):
+    class Model:
+        def __init__(self, name):
+            self.model_name, self.trainable, self.sampleable, self.max_context_length = name, True, True, 32768
+
+    class Caps:
+        supported_models = [Model("Qwen/Qwen3-8B"), Model("Qwen/Qwen3.6-35B-A3B")]
+
+    class Rest:
+        def get_server_capabilities(self):
+            return type("F", (), {"result": lambda self, timeout=None: Caps()})()
+
+    for name in ("require_credentials", "check_reachable", "_start_watch"):
+        monkeypatch.setattr(distill, name, lambda *a, **k: None)
+    monkeypatch.setattr(distill, "rest_client", Rest)
+    with pytest.raises(distill.DataError) as err:
+        distill.connect("Qwen/Qwen3-30B-A3B")
+    assert str(err.value) == (
+        "unknown model 'Qwen/Qwen3-30B-A3B': Qwen/Qwen3-30B-A3B was retired from Tinker on 2026-06-12; its "
+        "recommended replacement is Qwen/Qwen3.6-35B-A3B; this Tinker serves Qwen/Qwen3.6-35B-A3B, Qwen/Qwen3-8B; "
+        "pass one with --model-name")
+    with pytest.raises(distill.DataError) as err:  # the teacher's check says the same
+        distill.check_teacher_served("Qwen/Qwen3-30B-A3B")
+    assert "(Qwen/Qwen3-30B-A3B was retired from Tinker on 2026-06-12; its recommended replacement is " \
+           "Qwen/Qwen3.6-35B-A3B; it serves Qwen/Qwen3-8B, Qwen/Qwen3.6-35B-A3B)" in str(err.value)
+
+
 def test_a_template_difference_alone_is_named(chat_family):
     tok, fmt = chat_family("Qwen3-8B")
     other = dict(fmt, template_sha256="0" * 64)
@@ -296,3 +333,42 @@ def test_the_script_copied_alone_runs_help_and_dry_run(offline_tokenizer, tmp_pa
     assert record["status"] == "dry_run" and record["estimate_usd"] is None
     assert "no dollar estimate: tinker_pricing.py is not beside this script" in dry.stderr
     assert sorted(p.name for p in alone.iterdir()) == ["tinker_distill.py"]
+
+
+# ---- --rehearse: the preset, the teacher trained first, the checks --------------------------------------
+
+def test_the_rehearsal_preset_dry_runs_the_built_in_questions_with_a_teacher_of_the_same_base(offline_tokenizer,
+                                                                                               tmp_path, capsys):
+    code, out, err = run_main(["--rehearse", "--dry-run", "--tokenizer", offline_tokenizer("Qwen3-8B")], capsys)
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["prompts"] == len(distill.REHEARSAL_QA) and record["max_tokens"] == 8
+    # no --teacher: the teacher is trained first on the student's base; its tokenizer is the student's
+    assert record["teacher"]["base_model"] == "Qwen/Qwen3-8B" and record["teacher"]["tokenizer"] == \
+        distill.tokenizer_record(offline_tokenizer("Qwen3-8B"))
+    assert "no --prompts: the student answers the built-in rehearsal questions" in err
+    args = distill.parse_args(["--rehearse", "--iterations", "3"])
+    assert (args.train_teacher, args.iterations, args.learning_rate, args.log_path) == (True, 3, 5e-3,
+                                                                                        "runs/distill-rehearsal")
+    assert distill.parse_args(["--rehearse", "--teacher", "runs/sft"]).train_teacher is False
+
+
+class RecordedRun:
+    def __init__(self, curve):
+        self._rows = [{"iteration": i, "reverse_kl": k, "teacher_logprob": -k - 1, "student_logprob": -1.0}
+                      for i, k in enumerate(curve)]
+
+    def rows(self, name):
+        return self._rows
+
+
+def test_rehearsal_checks_judge_the_last_quarter_against_the_first_iteration():
+    saved = {"state_path": "tinker://r/weights/final", "sampler_path": "tinker://r/sampler_weights/final"}
+    halved = distill.rehearsal_checks(RecordedRun([5.0, 8.4, 11.2, 6.0, 3.0, 2.4, 2.0, 2.2]), saved, 8)
+    assert halved["passed"] and halved["reverse_kl"] == {"first": 5.0, "last_quarter": 2.1}
+    assert halved["checks"][-1]["check"] == ("the reverse KL to the teacher falls by half or more (5.000 at the "
+                                             "first iteration -> 2.100, the mean of the last 2)")
+    stalled = distill.rehearsal_checks(RecordedRun([16.3, 13.7, 12.4, 13.3, 12.6, 12.1, 12.2, 13.9]), saved, 8)
+    assert [c["passed"] for c in stalled["checks"]] == [True, True, False]
+    assert [c["passed"] for c in distill.rehearsal_checks(RecordedRun([5.0, 2.0]), {}, 8)["checks"]] == \
+        [False, False, True]

@@ -282,3 +282,62 @@ def test_an_estimate_over_max_usd_exits_3_before_anything_is_written(offline_tok
     assert out.returncode == 3, out.stderr
     assert "exceeds --max-usd 0.0001" in out.stderr and out.stdout == ""
     assert not log.exists()
+
+
+# ---- --rehearse: the preset, the built-in pairs, the checks -------------------------------------------
+
+def test_the_rehearsal_preset_dry_runs_the_built_in_pairs_in_one_full_batch(offline_tokenizer, tmp_path):
+    out = run_script(["--rehearse", "--tokenizer", offline_tokenizer("Qwen3-8B"), "--dry-run"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    # REHEARSAL: 10 steps, every pair in each step (no --batch-size given), the preset's own folder
+    assert (result["status"], result["pairs"], result["steps"], result["per_epoch"]) == ("dry_run", 4, 10, 1)
+    assert result["log_path"] == "runs/dpo-rehearsal"
+    assert "no --data: using the built-in rehearsal pairs" in out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "runs/dpo-rehearsal/datums.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in rows] == [f"built-in pair {i}" for i in range(1, 5)]
+    assert {(r["chosen"]["weighted"][0], r["rejected"]["weighted"][0]) for r in rows} == {("No.<|im_end|>", "Yes.<|im_end|>")}
+    # a flag given wins over the preset; own data replaces the built-in pairs
+    out = run_script(["--rehearse", "--data", str(EXAMPLE), "--batch-size", "2", "--tokenizer",
+                      offline_tokenizer("Qwen3-8B"), "--dry-run"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (json.loads(out.stdout)["pairs"], json.loads(out.stdout)["per_epoch"]) == (8, 4)
+
+
+def test_a_rehearsal_with_a_broken_loss_mask_fails_before_any_tinker_call(chat_family, monkeypatch):
+    tok, fmt = chat_family("Qwen3-8B")
+    raw = [tinker_dpo.validate_pair(p, f"built-in pair {i}") for i, p in enumerate(tinker_dpo.REHEARSAL_PAIRS, 1)]
+    pairs = tinker_dpo.render_pairs(raw, tok, fmt, 10**6)
+    tinker_dpo.check_rehearsal_masks(pairs, raw, tok)  # the real masks pass
+    pairs[1].rejected.weights[pairs[1].prompt_tokens - 1] = 1.0  # one prompt token trained
+    with pytest.raises(tinker_dpo.ScriptError, match=r"rehearsal check failed: the loss mask of built-in pair 2 "
+                                                     r"\(rejected\) trains '.*Yes\.<\|im_end\|>', expected only 'Yes\.'"):
+        tinker_dpo.check_rehearsal_masks(pairs, raw, tok)
+
+
+class RecordedRun:
+    def __init__(self, rows, data=None):
+        self._rows, self._data = rows, data
+
+    def rows(self, name):
+        return self._rows
+
+    def config(self):
+        return {"data": self._data}
+
+
+def metrics(accuracies, margins):
+    return [{"step": i + 1, "accuracy": a, "margin": m, "policy_accuracy": a, "implicit_kl": 0.1 * i}
+            for i, (a, m) in enumerate(zip(accuracies, margins))]
+
+
+def test_rehearsal_checks_pass_on_a_rise_from_the_reference_and_fail_naming_the_figures():
+    saved = {"state_path": "tinker://r/weights/final", "sampler_path": "tinker://r/sampler_weights/final"}
+    learnt = tinker_dpo.rehearsal_checks(RecordedRun(metrics([0.0, 0.5, 1.0], [0.0, 0.4, 1.2])), saved, 3)
+    assert learnt["passed"] and learnt["data"] == "built-in" and len(learnt["checks"]) == 5
+    assert learnt["checks"][-1]["check"] == ("preference accuracy rises to >= 0.9 (0.00 at step 1 -> 1.00 at "
+                                             "step 3, margin +1.200)")
+    stalled = tinker_dpo.rehearsal_checks(RecordedRun(metrics([0.0, 0.5, 0.75], [0.0, 0.1, 0.2]), "p.jsonl"), saved, 3)
+    assert not stalled["passed"] and [c["passed"] for c in stalled["checks"]] == [True, True, True, True, False]
+    short = tinker_dpo.rehearsal_checks(RecordedRun(metrics([0.3, 1.0], [0.01, 1.0])), {}, 3)
+    assert [c["passed"] for c in short["checks"]] == [True, False, False, False, True]

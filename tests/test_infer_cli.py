@@ -407,3 +407,21 @@ def test_the_old_checkpoints_command_exits_2_naming_the_command_that_replaced_it
     assert (code, result["status"], result["exit_code"]) == (2, "error", 2)
     assert result["error"].startswith("`tinker_infer.py checkpoints` is now tinker_checkpoints.py; next: python ")
     assert result["error"].endswith(replacement)
+
+
+def test_out_rows_hold_index_the_prompt_as_given_and_the_samples_without_prompt_index(tmp_path):
+    """The --out row schema documented in the docstring and references/inference.md."""
+    rows = [{"prompt": "first"}, {"messages": [{"role": "user", "content": "second"}]}]
+    sample = {"sample_index": 0, "text": "ok", "tokens": [1, 2], "stop_reason": "stop", "prompt_tokens": 3,
+              "completion_tokens": 2, "usd": None}
+    samples = [{"prompt_index": 1, **sample}, {"prompt_index": 0, **sample, "sample_index": 0},
+               {"prompt_index": 0, **sample, "sample_index": 1}]
+    out = tmp_path / "answers.jsonl"
+    tinker_infer.write_results(str(out), rows, samples)
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [set(r) for r in written] == [{"index", "prompt", "samples"}, {"index", "messages", "samples"}]
+    assert [r["index"] for r in written] == [0, 1] and written[1]["messages"] == rows[1]["messages"]
+    assert [s["sample_index"] for s in written[0]["samples"]] == [0, 1]
+    assert set(written[0]["samples"][0]) == {"sample_index", "text", "tokens", "stop_reason", "prompt_tokens",
+                                             "completion_tokens", "usd"}
+    assert not (tmp_path / "answers.jsonl.partial").exists()

@@ -114,6 +114,29 @@ def test_unknown_name_lists_the_closest_ids():
     assert "Qwen/Qwen3.5-9B" in str(err.value)
 
 
+
+def test_a_retired_model_says_when_it_retired_and_what_replaced_it():
+    # Tinker's Model Deprecations page: Qwen3-30B-A3B retired 2026-06-12, replaced by Qwen3.6-35B-A3B
+    with pytest.raises(tp.UnknownModelError) as err:
+        tp.resolve_model("Qwen/Qwen3-30B-A3B")
+    assert str(err.value).startswith("unknown model 'Qwen/Qwen3-30B-A3B': Qwen/Qwen3-30B-A3B was retired from "
+                                     "Tinker on 2026-06-12; its recommended replacement is Qwen/Qwen3.6-35B-A3B;")
+    # the short name and a :peft: suffix are the same model; one with no named replacement still gives the date
+    assert tp.retired_note("qwen3.5-27b:peft:131072").endswith("its recommended replacement is Qwen/Qwen3.6-27B")
+    assert tp.retired_note("moonshotai/Kimi-K2.5") == (
+        "moonshotai/Kimi-K2.5 was retired from Tinker on 2026-07-12; no replacement is named "
+        "(see `tinker_pricing.py list`)")
+    assert tp.retired_note("Qwen/Qwen3-8B") is None
+
+
+def test_a_retired_model_is_never_resolved_to_a_served_model_whose_id_contains_it():
+    # Qwen/Qwen3.5-35B-A3B is a substring of the served Qwen/Qwen3.5-35B-A3B-Base: not the same model
+    with pytest.raises(tp.UnknownModelError, match="retired from Tinker on 2026-06-12; its recommended "
+                                                   r"replacement is Qwen/Qwen3\.6-35B-A3B"):
+        tp.resolve_model("Qwen/Qwen3.5-35B-A3B")
+    assert tp.resolve_model("Qwen/Qwen3.5-35B-A3B-Base")["id"] == "Qwen/Qwen3.5-35B-A3B-Base"
+
+
 # ---------------------------------------------------------------- formulas
 
 def test_single_turn_rl_bills_the_whole_datum_and_the_group_prompt_once():

@@ -345,6 +345,78 @@ def test_a_script_copied_into_an_empty_folder_runs_help_and_its_dry_run(script, 
     cost = result.get("cost", result.get("estimate_usd"))
     assert (cost is not None) is with_pricing, result
 
+TRAINING = ("tinker_sft.py", "tinker_rl.py", "tinker_dpo.py", "tinker_distill.py")
+
+
+@pytest.fixture
+def capabilities_only_tinker():
+    """An address that answers Tinker's free capabilities call (Qwen/Qwen3-8B) and nothing else: a real run
+    reaches its budget check, and any paid call would fail loudly."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            free = {"/api/v1/get_server_capabilities": {"supported_models": [
+                        {"model_name": "Qwen/Qwen3-8B", "max_context_length": 32768}]},
+                    "/api/v1/create_session": {"type": "create_session", "session_id": "fake"},
+                    "/api/v1/session_heartbeat": {"type": "session_heartbeat"}}
+            if self.headers.get("Content-Length"):
+                self.rfile.read(int(self.headers["Content-Length"]))
+            path = self.path.split("?", 1)[0]
+            body = free.get(path, {} if path.startswith("/api/v1/client/") else None)  # the SDK's own flags
+            self.send_response(404 if body is None else 200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps(body or {}).encode())
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("script", TRAINING)
+def test_a_training_script_copied_alone_refuses_max_usd_in_its_dry_run_as_its_real_run_does(
+        script, tmp_path, offline_tokenizer, capabilities_only_tinker):
+    """The dry run is the audit of the real run: without tinker_pricing.py beside the copy both stop with exit 3
+    and the same line, naming the file to copy; with it beside the copy the dry run checks the budget."""
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(ROOT / "scripts" / script, project / script)
+    shutil.copy(PAIRS, project / "pairs.jsonl")
+    _, argv, _ = dry_runs(offline_tokenizer("Qwen3-8B"))[script]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
+           "TINKER_TELEMETRY": "0", "TINKER_API_KEY": "tml-dummy", "TINKER_BASE_URL": capabilities_only_tinker}
+
+    def run(*args):
+        return subprocess.run([sys.executable, script, *args], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    if script == "tinker_sft.py":  # the real run of the built-in set is --rehearse, a local-backend preset
+        shutil.copy(ROOT / "templates" / "sft_example.jsonl", project / "sft.jsonl")
+        argv = [*argv, "--data", "sft.jsonl"]
+    if script == "tinker_rl.py":  # 127.0.0.1 reads as the local backend: its rehearsal samples before the budget
+        argv = [*argv, "--rehearse", "off"]
+    expected = ("error: cannot check --max-usd: tinker_pricing.py (the prices) is not beside this script; copy the "
+                f"bundle's scripts/tinker_pricing.py into {project.resolve()}, or drop --max-usd")
+    dry = run(*argv, "--max-usd", "100")
+    real = run(*[a for a in argv if a != "--dry-run"], "--max-usd", "100")
+    assert (dry.returncode, real.returncode) == (3, 3), (dry.stderr[-1500:], real.stderr[-1500:])
+    assert dry.stderr.strip().splitlines()[-1] == expected
+    assert real.stderr.strip().splitlines()[-1] == expected
+    assert not (project / "runs").exists() or not any((project / "runs").rglob("metrics.jsonl"))
+    shutil.copy(ROOT / "scripts" / "tinker_pricing.py", project / "tinker_pricing.py")
+    over = run(*argv, "--max-usd", "0.000001")  # priced now: the dry run checks the budget the real run would
+    assert over.returncode == 3 and "exceeds --max-usd" in over.stderr, over.stderr[-1500:]
+    assert run(*argv, "--max-usd", "100").returncode == 0
+
+
 # ---- printed next commands (common/errors.py): runnable from where the user stands
 
 
