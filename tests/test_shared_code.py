@@ -296,16 +296,25 @@ def dry_runs(tok):
         "tinker_checkpoints.py": ("merge", ["resolve", "runs/sft", "--kind", "sampler"], None),
         # no dry run either: the report of a run record, written offline (plotly is its one dependency)
         "tinker_report.py": ("--watch", ["runs/sft"], "ok"),
+        "tinker_eval.py": ("--checkpoint", ["--run", "runs/sft", "--data", "heldout.jsonl", "--dry-run",
+                                            "--tokenizer", tok], "dry_run"),
     }
 
 
-def write_finished_run(folder):
+def write_finished_run(folder, fmt=None):
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B"}))
     (folder / "checkpoints.jsonl").write_text(json.dumps(
         {"name": "final", "step": 4, "next_batch": 4, "epoch": 0, "state_path": "tinker://r/weights/final",
-         "sampler_path": "tinker://r/sampler_weights/final", "format": None, "time": "2026-12-01T00:00:00+00:00"})
+         "sampler_path": "tinker://r/sampler_weights/final", "format": fmt, "time": "2026-12-01T00:00:00+00:00"})
         + "\n")
+
+
+def chat_format_of(tok):
+    """The format tinker_sft.py records for a chat run with this tokenizer (what tinker_eval.py samples in)."""
+    import tinker_sft
+
+    return {**tinker_sft.chat_format(tinker_sft.load_tokenizer(tok), name=tok), "kind": "chat"}
 
 
 @pytest.mark.parametrize("with_pricing", [False, True], ids=["alone", "with-pricing"])
@@ -319,7 +328,8 @@ def test_a_script_copied_into_an_empty_folder_runs_help_and_its_dry_run(script, 
         shutil.copy(ROOT / "scripts" / "tinker_pricing.py", project / "tinker_pricing.py")
     must_mention, argv, status = dry_runs(offline_tokenizer("Qwen3-8B"))[script]
     shutil.copy(PAIRS, project / "pairs.jsonl")
-    write_finished_run(project / "runs" / "sft")
+    shutil.copy(ROOT / "templates" / "sft_example.jsonl", project / "heldout.jsonl")
+    write_finished_run(project / "runs" / "sft", chat_format_of(offline_tokenizer("Qwen3-8B")))
     # nothing from this repository on the path: no PYTHONPATH, the folder itself is the script's only neighbour
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
            "TINKER_TELEMETRY": "0"}
