@@ -99,3 +99,25 @@ def test_tool_environment_rehearses_with_scripted_tool_calls_parsed_and_observat
             assert all(lp == 0 for lp, a in zip(lps, advs) if a == 0)
             checked += 1
     assert checked >= 4
+
+
+@pytest.mark.timeout(1800)  # one big iteration: about 3 minutes on 2 idle cores
+def test_a_16_by_8_by_3_turn_iteration_completes_on_the_local_backend(local_tinker, tmp_path):
+    """The user's batch shape (issue 33): 16 groups of 8 episodes of up to 3 turns, 64 tokens a turn, 128 sequences
+    of up to ~570 tokens in one forward_backward: the server's micro-batches keep it in memory (before them it
+    asked for 33.6 GB), and the iteration writes its metrics row and every rollout."""
+    import os
+    import subprocess
+
+    log = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "tinker_rl.py"), "--env", "calculator",
+         "--rehearse", "on", "--batch-size", "16", "--group-size", "8", "--max-turns", "3", "--iterations", "1",
+         "--max-tokens", "64", "--tokenizer", str(local_tinker.tokenizer_dir), "--log-path", str(log)],
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = rows(log / "metrics.jsonl")
+    assert row["iteration"] == 0 and row["episodes"] == 128
+    episodes = rows(log / "rollouts.jsonl")
+    assert len(episodes) == 128
+    assert json.loads(proc.stdout)["iterations"] == 1
