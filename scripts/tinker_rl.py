@@ -261,7 +261,7 @@ def main(argv=None):
     # `run` holds the folder's lock until the end: a second script on the same --log-path stops with exit 2
     # before it reads, deletes or writes anything. watch_service(): a service lost for TINKER_UNREACHABLE_S
     # ends the run with exit 4, not a hang.
-    with Run(args.log_path, extra_files=("rollouts.jsonl",)) as run, watch_service():
+    with Run(args.log_path, extra_files=("rollouts.jsonl", "failures.jsonl")) as run, watch_service():
         return train_run(args, job, run)
 
 
@@ -318,8 +318,11 @@ def train_run(args, job, run):
             floor = it == 0 and batch.tied == len(groups) and args.reward == "own"  # nothing to learn, ever
             fb_metrics = {}
             if batch.datums and not floor:
+                failed = {"iteration": it, "seconds_sampling": t1 - t0, "datums": len(batch.datums),
+                          "tokens_trained": sum(d.model_input.length for d in batch.datums)}
                 result = train_step(tc, batch.datums, args.loss_fn, job.loss_config, args.learning_rate,
-                                    on_error=lambda e: training_failure(e, args, run, it, start))
+                                    on_error=lambda e: training_failure(e, args, run, it, start,
+                                                                        {**failed, "seconds_training": time.time() - t1}))
                 fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
                               **kl_metrics(batch.datums, batch.masks, result.loss_fn_outputs)}
             t2 = time.time()
@@ -670,21 +673,27 @@ def tied_message(groups, args=None, log_path=None):
             "--init-from tinker://RUN/weights/final")
 
 
-def training_failure(e, args, run, it, start):
-    """The ScriptError a failed forward_backward/optim_step ends the run with."""
+def training_failure(e, args, run, it, start, failed=None):
+    """The ScriptError a failed forward_backward/optim_step ends the run with. The failed iteration's timings
+    and size (`failed`) go to LOG/failures.jsonl first: its sampling was paid for and took time, and its
+    metrics row is never written (resume repeats the iteration)."""
     rows = run.checkpoints()
     where = f"the last checkpoint is {rows[-1]['state_path']}" if rows else "no checkpoint was saved yet"
     status = getattr(e, "status_code", None)
     text = one_line(getattr(e, "message", None) or e, 200)
     described = f"{type(e).__name__}{f' {status}' if status else ''}: {text}"
+    noted = ""
+    if failed is not None:
+        run.append("failures.jsonl", {**failed, "error": described})
+        noted = f"; the iteration's timings are in {run.file('failures.jsonl')}"
     # A rejected loss (dro, gspo) leaves an SDK 0.38 client usable, but the same loss would be rejected
     # again, so the run stops; a failure mid-run is safer resumed from the last checkpoint.
     if is_rejection(e) and it == start and args.loss_fn != "importance_sampling":
         others = "|".join(x for x in LOSS_FNS if x != args.loss_fn)
         return DataError(f"the server rejected --loss-fn {args.loss_fn} ({described}); the run stops here "
-                         f"({where}). Rerun with --loss-fn {others}")
+                         f"({where}{noted}). Rerun with --loss-fn {others}")
     return ScriptError(f"forward_backward/optim_step failed at iteration {it} ({described}); the run stops "
-                       f"here: {run.resume_hint()}")
+                       f"here{noted}: {run.resume_hint()}")
 
 
 def is_rejection(e):

@@ -72,7 +72,13 @@ def test_dro_on_the_local_backend_stops_with_a_clear_error(local_tinker, monkeyp
                                        "--log-path", str(tmp_path / "run"))
     assert code == 2 and result is None
     [line] = [x for x in err.splitlines() if x.startswith("error:")]
-    assert "the server rejected --loss-fn dro" in line and "the run stops here (no checkpoint was saved yet)" in line
+    assert "the server rejected --loss-fn dro" in line and "the run stops here (no checkpoint was saved yet; " in line
+    # the failed iteration's timings are written, though its metrics row is not (resume repeats it)
+    (failed,) = rows(tmp_path / "run" / "failures.jsonl")
+    assert f"the iteration's timings are in {tmp_path / 'run' / 'failures.jsonl'}" in line
+    assert failed["iteration"] == 0 and failed["seconds_sampling"] > 0 and failed["seconds_training"] >= 0
+    assert failed["datums"] > 0 and failed["tokens_trained"] > 0 and "UnprocessableEntityError" in failed["error"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not rows(tmp_path / "run" / "metrics.jsonl")
     assert "poisoned" not in line  # SDK 0.38: a rejected loss leaves the client usable
     assert "--loss-fn importance_sampling|ppo|cispo" in line
     assert "Traceback" not in err
