@@ -122,6 +122,13 @@ def normalise_items(items, source=None, validate=validate_example) -> list[dict]
     return out
 
 
+def reference_answer(example):
+    """The answer a held-out example expects: its last assistant message, or its "completion"."""
+    if "messages" in example:
+        return [m for m in example["messages"] if m["role"] == "assistant"][-1]["content"]
+    return example["completion"]
+
+
 def split_examples(train, test, fraction, seed):
     """(train, held-out): `test` when given, else a seeded `fraction` of the training examples."""
     if test is not None or fraction == 0 or len(train) < 2:

@@ -233,13 +233,6 @@ def write_rows(out, rows):
     say(f"wrote {out} ({len(rows)} rows)")
 
 
-def reference_answer(example):
-    """The answer a held-out example expects: its last assistant message, or its "completion"."""
-    if "messages" in example:
-        return [m for m in example["messages"] if m["role"] == "assistant"][-1]["content"]
-    return example["completion"]
-
-
 # ==== SHARED CODE (generated from common/: errors, flags, render, run_files, data, run_record, service, checkpoints, sampling) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
@@ -989,6 +982,13 @@ def normalise_items(items, source=None, validate=validate_example) -> list[dict]
     return out
 
 
+def reference_answer(example):
+    """The answer a held-out example expects: its last assistant message, or its "completion"."""
+    if "messages" in example:
+        return [m for m in example["messages"] if m["role"] == "assistant"][-1]["content"]
+    return example["completion"]
+
+
 # ---- common/run_record.py ----
 # The run record: every read and write of a run's log folder (DEVELOPING.md, "Run record").
 #
@@ -1724,7 +1724,7 @@ def price_samples(model: str, samples: list[dict]) -> float | None:
     for s in samples:
         s["usd"] = sample_usd(model, prefill(s), s["completion_tokens"] or 0)
     return sample_usd(model, sum(prefill(s) for s in samples), sum(s["completion_tokens"] or 0 for s in samples))
-# ==== END SHARED CODE (sha256 118ca8abafbd) ====
+# ==== END SHARED CODE (sha256 0dfea7834396) ====
 
 
 if __name__ == "__main__":

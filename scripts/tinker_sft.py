@@ -364,13 +364,6 @@ class Job:
     summary: dict = dataclasses.field(default_factory=dict)
 
 
-def reference_answer(example):
-    """The answer a held-out example expects: its last assistant message, or its "completion"."""
-    if "messages" in example:
-        return [m for m in example["messages"] if m["role"] == "assistant"][-1]["content"]
-    return example["completion"]
-
-
 def read_examples(path, what, args):
     """Validated examples of --data / --test-data through load_dataset(); the built-in set without --data."""
     if path:
@@ -2038,6 +2031,13 @@ def normalise_items(items, source=None, validate=validate_example) -> list[dict]
     return out
 
 
+def reference_answer(example):
+    """The answer a held-out example expects: its last assistant message, or its "completion"."""
+    if "messages" in example:
+        return [m for m in example["messages"] if m["role"] == "assistant"][-1]["content"]
+    return example["completion"]
+
+
 def split_examples(train, test, fraction, seed):
     """(train, held-out): `test` when given, else a seeded `fraction` of the training examples."""
     if test is not None or fraction == 0 or len(train) < 2:
@@ -2747,7 +2747,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 38e7a99ce580) ====
+# ==== END SHARED CODE (sha256 c94dd6f3b4a7) ====
 
 
 if __name__ == "__main__":
