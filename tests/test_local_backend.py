@@ -910,6 +910,7 @@ NOT_SERVED_WHY = {
     "RestClient.assign_session_project": "no projects locally",
     "RestClient.get_billing_usage": "no billing locally",
     "RestClient.publish_checkpoint_from_tinker_path": "skyrl 0.4.0 has no publish route",
+    "RestClient.unpublish_checkpoint_from_tinker_path": "skyrl 0.4.0 has no publish route",
     "RestClient.set_checkpoint_ttl_from_tinker_path": "skyrl 0.4.0 has no TTL route",
     "ServiceClient.copy_weights": "skyrl 0.4.0 has no copy route",
 }
@@ -969,6 +970,13 @@ def parity_rows(local_tinker, tokenizer) -> list[tuple[str, str]]:
         probe(f"forward_backward(loss_fn='{loss}')", lambda: tc.forward_backward(batch, loss).result(timeout=120))
     probe("TrainingClient.forward_backward_custom", lambda: tc.forward_backward_custom(
         data, lambda d, logprobs: (sum(-lp.sum() for lp in logprobs), {})).result())
+
+    def neg_ll(logprobs, weights):  # a traced per-datum loss (SDK 0.38 alpha): torch ops only
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/neg_ll:sum": loss}
+
+    probe("ServiceClient.create_custom_loss", lambda: tc.forward_backward_custom(
+        data, service.create_custom_loss(neg_ll, input_ranks={"logprobs": 1, "weights": 1}).result()).result())
     probe("TrainingClient.optim_step", lambda: tc.optim_step(types.AdamParams(learning_rate=1e-3)).result())
     state = probe("TrainingClient.save_state", lambda: tc.save_state("parity").result().path)
     sampler_path = probe("TrainingClient.save_weights_for_sampler",
@@ -1016,6 +1024,8 @@ def parity_rows(local_tinker, tokenizer) -> list[tuple[str, str]]:
     probe("RestClient.get_billing_usage", lambda: rest.get_billing_usage(
         datetime.date.today().isoformat(), (datetime.date.today() + datetime.timedelta(days=1)).isoformat()).result())
     probe("RestClient.publish_checkpoint_from_tinker_path", lambda: rest.publish_checkpoint_from_tinker_path(state).result())
+    probe("RestClient.unpublish_checkpoint_from_tinker_path",
+          lambda: rest.unpublish_checkpoint_from_tinker_path(state).result())
     probe("RestClient.set_checkpoint_ttl_from_tinker_path",
           lambda: rest.set_checkpoint_ttl_from_tinker_path(state, 3600).result())
     probe("ServiceClient.copy_weights", lambda: service.copy_weights(state).result(timeout=120))

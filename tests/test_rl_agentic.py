@@ -98,7 +98,9 @@ def test_floor_check_writes_the_iterations_row_and_decoded_rollouts_before_it_st
     err = capsys.readouterr().err
     [line] = [x for x in err.splitlines() if x.startswith("error:")]
     assert "the base policy ties every group (all 2 groups at reward [0.0])" in line
-    assert f"{log / 'metrics.jsonl'} (iteration 0)" in line and str(log / "rollouts.jsonl") in line
+    shown = tinker_rl.short_path(log)  # as typed from the working directory (relative or absolute)
+    assert f"{os.path.join(shown, 'metrics.jsonl')} (iteration 0)" in line
+    assert os.path.join(shown, "rollouts.jsonl") in line
     assert "tinker_report.py" in line
     for way_out in ("partial credit", "easier", "--group-size", "--init-from"):
         assert way_out in line
