@@ -318,11 +318,11 @@ def train_run(args, job, run):
             floor = it == 0 and batch.tied == len(groups) and args.reward == "own"  # nothing to learn, ever
             fb_metrics = {}
             if batch.datums and not floor:
-                failed = {"iteration": it, "seconds_sampling": t1 - t0, "datums": len(batch.datums),
-                          "tokens_trained": sum(d.model_input.length for d in batch.datums)}
                 result = train_step(tc, batch.datums, args.loss_fn, job.loss_config, args.learning_rate,
-                                    on_error=lambda e: training_failure(e, args, run, it, start,
-                                                                        {**failed, "seconds_training": time.time() - t1}))
+                                    on_error=lambda e: training_failure(e, args, run, it, start, {
+                                        "iteration": it, "seconds_sampling": t1 - t0,
+                                        "seconds_training": time.time() - t1, "datums": len(batch.datums),
+                                        "tokens_trained": sum(d.model_input.length for d in batch.datums)}))
                 fb_metrics = {"loss_sum": result.metrics.get("loss:sum"),
                               **kl_metrics(batch.datums, batch.masks, result.loss_fn_outputs)}
             t2 = time.time()
