@@ -180,9 +180,14 @@ def write_results(out: str, rows: list[dict], samples: list[dict]) -> None:
     by_prompt: dict[int, list] = {}
     for s in samples:
         by_prompt.setdefault(s["prompt_index"], []).append({k: v for k, v in s.items() if k != "prompt_index"})
+    write_jsonl(out, [{"index": i, **row, "samples": by_prompt.get(i, [])} for i, row in enumerate(rows)])
+
+
+def write_jsonl(out: str, rows: list[dict]) -> None:
+    """One JSON line per row, written beside `out` and renamed into place: never half-written."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     partial = Path(f"{out}.partial")
     with open(partial, "w", encoding="utf-8") as f:
-        for i, row in enumerate(rows):
-            f.write(json.dumps({"index": i, **row, "samples": by_prompt.get(i, [])}, ensure_ascii=False) + "\n")
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)

@@ -51,9 +51,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -155,7 +153,8 @@ def evaluate_run(argv) -> int:
               "usd": None if None in usd else round(sum(usd), 6), "out": args.out}
     show(rows, result)
     if args.out:
-        write_rows(args.out, rows)
+        write_jsonl(args.out, rows)
+        say(f"wrote {args.out} ({len(rows)} rows)")
     emit(result)
     return EXIT_OK
 
@@ -222,15 +221,6 @@ def show(rows, result):
     say(f"base {result['base']['mean']:.3f}  trained {result['trained']['mean']:.3f}  difference {d['mean']:+.3f} "
         f"(SE {d['stderr']:.3f}; 95% {d['ci95'][0]:+.3f} to {d['ci95'][1]:+.3f}; {d['wins']} wins, {d['ties']} ties, "
         f"{d['losses']} losses over {result['n']} examples); sampling cost {cost}")
-
-
-def write_rows(out, rows):
-    partial = Path(f"{out}.partial")
-    with open(partial, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(partial, out)
-    say(f"wrote {out} ({len(rows)} rows)")
 
 
 # ==== SHARED CODE (generated from common/: errors, flags, render, run_files, data, run_record, service, checkpoints, sampling) ====
@@ -1579,6 +1569,8 @@ def latest_row(rows: list[dict], kind: str, where: str) -> dict:
 # Sampling a base model or a training run as it was trained: the run's recorded format, system prompt and greedy
 # default, the tokenizer that renders and decodes, stop tokens, the sampling client, every prompt submitted before
 # any is awaited, completions as text, the result rows (--out) and the dollar estimate of what was sampled.
+import json
+import os
 from pathlib import Path
 
 
@@ -1724,7 +1716,17 @@ def price_samples(model: str, samples: list[dict]) -> float | None:
     for s in samples:
         s["usd"] = sample_usd(model, prefill(s), s["completion_tokens"] or 0)
     return sample_usd(model, sum(prefill(s) for s in samples), sum(s["completion_tokens"] or 0 for s in samples))
-# ==== END SHARED CODE (sha256 0dfea7834396) ====
+
+
+def write_jsonl(out: str, rows: list[dict]) -> None:
+    """One JSON line per row, written beside `out` and renamed into place: never half-written."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(f"{out}.partial")
+    with open(partial, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(partial, out)
+# ==== END SHARED CODE (sha256 87a918bfceb4) ====
 
 
 if __name__ == "__main__":
