@@ -390,7 +390,9 @@ def print_outcome(args, student, report):
     lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl); final sampler {report['sampler_path']}",
               f"on Tinker this run would cost about ${usd:.4f} ({args.model_name} and the teacher's prefill, the "
               "estimate above; the rehearsal teacher's own training is not in it)" if usd is not None
-              else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
+              else "on Tinker: no dollar estimate (" + ("tinker_pricing.py not beside this script)" if load_pricing() is None
+                                                        else f"no catalogue price for {args.model_name} or {report['teacher']['teacher']}; see "
+                                                             f"{script_command('tinker_pricing.py', 'list')})"),
               "next     sample it: " + (script_command("tinker_infer.py", "--run", log, "--prompt", question) if question
                                         else script_command("tinker_infer.py", "--run", log)),
               f"took     {report['seconds']:.0f} s"]

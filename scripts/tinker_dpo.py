@@ -340,7 +340,9 @@ def print_outcome(args, raw, report):
     lines += [f"record   {log}/ (config.json, metrics.jsonl, reference_logprobs.jsonl, checkpoints.jsonl); "
               f"final sampler {report['sampler_path']}",
               f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above)" if usd is not None
-              else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
+              else "on Tinker: no dollar estimate (" + ("tinker_pricing.py not beside this script)" if load_pricing() is None
+                                                        else f"no catalogue price for {args.model_name}; see "
+                                                             f"{script_command('tinker_pricing.py', 'list')})"),
               "next     sample it: " + script_command("tinker_infer.py", "--run", log, "--prompt", prompt),
               f"took     {report['seconds']:.0f} s"]
     page = write_report(log)

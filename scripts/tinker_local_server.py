@@ -176,12 +176,13 @@ def build_tiny_model(out_dir: Path, spec: dict) -> int:
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**spec["config"]))
     with torch.no_grad():
         model.model.norm.weight.fill_(float(spec["final_norm_weight"]))
+    new_layers = grow_from(model, Path(spec["grow_from_dir"])) if spec.get("grow_from_dir") else []
     tmp.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy2(source / name, tmp / name)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp))
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template, "unexpected tokenizer"
-    pretrained = pretrain_tiny_model(model, tokenizer, spec["pretrain"]) if spec.get("pretrain") else None
+    pretrained = pretrain_tiny_model(model, tokenizer, spec["pretrain"], new_layers) if spec.get("pretrain") else None
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "tinker-local-model.json").write_text(json.dumps(
         {"config": spec["key"], "params": sum(p.numel() for p in model.parameters()),
@@ -194,33 +195,66 @@ def build_tiny_model(out_dir: Path, spec: dict) -> int:
     return 0
 
 
-def pretrain_tiny_model(model, tokenizer, pretrain: dict) -> dict:
-    """Full-parameter AdamW on chat conversations (the teacher of --also-serve learns the bundle's example
-    data, so it samples English a student can move toward). pretrain = {"conversations": [messages, ...],
-    "steps": N, "batch": B, "learning_rate": lr}; deterministic (torch seed set by the caller).
-    Returns {"steps", "loss_first", "loss_last"} (mean NLL per token)."""
+def grow_from(model, source: Path) -> list[int]:
+    """Load a smaller tiny Qwen3 (same width, fewer layers) into `model`: its embeddings, final norm and layers
+    fill the first layers; each extra layer starts as the identity (its attention and MLP output projections
+    zero, so the residual stream passes through). Returns the indices of the extra layers."""
+    import torch
+    import transformers
+
+    small = transformers.Qwen3ForCausalLM.from_pretrained(str(source))
+    missing, unexpected = model.load_state_dict(small.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    grown = list(range(small.config.num_hidden_layers, model.config.num_hidden_layers))
+    assert all(any(f"layers.{i}." in k for i in grown) for k in missing), missing
+    with torch.no_grad():
+        for i in grown:
+            model.model.layers[i].self_attn.o_proj.weight.zero_()
+            model.model.layers[i].mlp.down_proj.weight.zero_()
+    return grown
+
+
+def pretrain_tiny_model(model, tokenizer, pretrain: dict, new_layers: list[int] = ()) -> dict:
+    """AdamW on chat conversations, so the teacher of --also-serve answers where the random student repeats
+    tokens. pretrain = {"conversations": [messages, ...], "steps": N, "batch": B, "learning_rate": lr, optional
+    "train": "new_layers" (only the layers grow_from added; default every parameter), optional "loss": "answers"
+    (each conversation's last assistant turn after its generation prompt, as SFT masks it; default every
+    token)}; deterministic (torch seed set by the caller). Returns {"steps", "loss_first", "loss_last"} (mean
+    NLL per trained token)."""
     import torch
 
-    texts = [tokenizer.apply_chat_template(m, tokenize=False, enable_thinking=False) for m in pretrain["conversations"]]
+    convs = pretrain["conversations"]
+    texts = [tokenizer.apply_chat_template(m, tokenize=False, enable_thinking=False) for m in convs]
     rows = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    starts = [0] * len(rows)
+    if pretrain.get("loss") == "answers":
+        for i, m in enumerate(convs):
+            prompt = tokenizer.encode(tokenizer.apply_chat_template(m[:-1], tokenize=False, add_generation_prompt=True,
+                                                                    enable_thinking=False), add_special_tokens=False)
+            assert rows[i][: len(prompt)] == prompt, "the generation prompt is not a prefix of the conversation"
+            starts[i] = len(prompt)
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=float(pretrain["learning_rate"]), weight_decay=0.0)
+    trained = torch.tensor([[0] * s + [1] * (len(r) - s) + [0] * (width - len(r)) for r, s in zip(rows, starts)])
+    params = ([p for i in new_layers for p in model.model.layers[i].parameters()]
+              if pretrain.get("train") == "new_layers" else list(model.parameters()))
+    assert params, "nothing to train"
+    optimizer = torch.optim.AdamW(params, lr=float(pretrain["learning_rate"]), weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
     losses = []
     model.train()
     for _ in range(int(pretrain["steps"])):
         pick = torch.randperm(len(rows), generator=generator)[: int(pretrain["batch"])]
-        labels = ids[pick].masked_fill(mask[pick] == 0, -100)
+        labels = ids[pick].masked_fill(trained[pick] == 0, -100)
         loss = model(input_ids=ids[pick], attention_mask=mask[pick], labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(float(loss))
     model.eval()
-    print(f"pre-trained on {len(rows)} conversations: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+    print(f"pre-trained ({pretrain.get('train', 'all')} on {pretrain.get('loss', 'all')} tokens) on {len(rows)} conversations: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
     return {"steps": len(losses), "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)}
 
 
