@@ -86,7 +86,7 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 API_KEY = "tml-local"  # the SDK accepts any key that starts with "tml-"
 BANNER = ("local rehearsal: a tiny random model stands in for {model}; "
           "losses and samples are not those of {model}")
-TEACHER_BANNER = ("local rehearsal: another tiny model (3 layers, pre-trained on the example conversations) "
+TEACHER_BANNER = ("local rehearsal: a tiny teacher (the tiny model plus one layer trained on the rehearsal facts) "
                   "stands in for {model}, for sampling only (a teacher); its samples are not those of {model}")
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-local"
