@@ -13,10 +13,13 @@ Set TINKER_TEST_BASE_URL=http://127.0.0.1:PORT to reuse a server started with
 `python scripts/tinker_local.py serve` instead of starting one per pytest run.
 
 A ServiceClient created during a test that uses `local_tinker` (directly, or inside a script's
-main() run in-process) is closed when that test ends. In one long pytest process an unclosed
-client keeps heartbeating, so its LoRA adapter slot (13 per server: MAX_LORA_ADAPTERS = 14, slot 0 is the base model;
-sampled sampler_weights/ checkpoints borrow up to SAMPLER_SLOTS = 3 and are unloaded first) would never come back.
-Clients made by module- or session-scoped fixtures are left alone.
+main() run in-process) is closed when that test ends; one made by a module-scoped fixture, when its module
+ends. In one long pytest process an unclosed client keeps heartbeating, so its LoRA adapter slot (13 per
+server: MAX_LORA_ADAPTERS = 14, slot 0 is the base model; sampled sampler_weights/ checkpoints borrow up to
+SAMPLER_SLOTS = 3 and are unloaded first) would never come back: CI on 5 December 2026 ended with 8 such
+sessions alive and test_rl_e2e's off-policy test refused ("Maximum number of LoRA adapters (14) reached").
+Clients are held strongly until closed: a script's main() drops its client when it returns, and a weak
+reference then lost the client while the SDK's background heartbeat kept its session alive.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +35,10 @@ import pytest
 import tinker_local
 
 __all__ = ["LocalTinker", "local_backend_install", "local_tinker", "local_sft_run", "local_rl_run",
-           "close_service_clients_made_by_the_test"]
+           "close_service_clients_made_by_the_test", "close_service_clients_made_by_the_module"]
 ROOT = Path(__file__).resolve().parent.parent
 
-_service_clients: weakref.WeakSet = weakref.WeakSet()  # every tinker.ServiceClient made in this process
+_service_clients: list = []  # every tinker.ServiceClient made in this process and not yet closed
 
 
 def _track_service_clients():
@@ -45,21 +47,20 @@ def _track_service_clients():
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        _service_clients.add(self)
+        _service_clients.append(self)
 
     tinker.ServiceClient.__init__ = init
     return lambda: setattr(tinker.ServiceClient, "__init__", original)
 
 
-def close_service_clients_since(before: weakref.WeakSet) -> int:
-    """Close every tracked ServiceClient not in `before`; their adapter slots are freed at once."""
+def close_service_clients_since(before: set[int]) -> int:
+    """Close every tracked ServiceClient whose id() is not in `before`; their adapter slots are freed at once."""
     closed = 0
-    for client in list(_service_clients):
-        if client not in before:
-            with contextlib.suppress(Exception):
-                client.close("success").result(timeout=30)
-                closed += 1
-            _service_clients.discard(client)
+    for client in [c for c in _service_clients if id(c) not in before]:
+        with contextlib.suppress(Exception):
+            client.close("success").result(timeout=30)
+            closed += 1
+        _service_clients.remove(client)
     return closed
 
 
@@ -101,7 +102,15 @@ def close_service_clients_made_by_the_test(request):
     if "local_tinker" not in request.fixturenames:
         yield
         return
-    before = weakref.WeakSet(_service_clients)
+    before = {id(c) for c in _service_clients}
+    yield
+    close_service_clients_since(before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def close_service_clients_made_by_the_module():
+    """Module-scoped fixtures' clients (left alone by the per-test closer) are closed when the module ends."""
+    before = {id(c) for c in _service_clients}
     yield
     close_service_clients_since(before)
 

@@ -341,7 +341,7 @@ def test_rest_client_lists_the_runs_checkpoints(local_tinker, sdk):
     import tinker
     _, training, _ = sdk
     training.save_state("e2e-listed").result()
-    rest = tinker.RestClient()
+    rest = tinker.RestClient(base_url=local_tinker.base_url, api_key=local_tinker.env["TINKER_API_KEY"])
     names = {c.checkpoint_id for c in rest.list_checkpoints(training.model_id).result().checkpoints}
     assert "e2e-listed" in names
     runs = rest.list_training_runs().result().training_runs
@@ -371,17 +371,16 @@ def test_forward_backward_custom_reports_the_client_side_loss(sdk):
 def test_a_client_a_test_leaves_open_is_closed_and_its_adapter_unloaded(local_tinker, monkeypatch):
     """What the autouse fixture does after every test that uses local_tinker."""
     import sqlite3
-    import weakref
 
     import fixtures_local
     import tinker
     local_tinker.apply(monkeypatch)
-    before = weakref.WeakSet(fixtures_local._service_clients)
+    before = {id(c) for c in fixtures_local._service_clients}
     left_open = tinker.ServiceClient()
     model_id = left_open.create_lora_training_client(local_tinker.model, rank=8).result().model_id
-    assert left_open in fixtures_local._service_clients
+    assert any(c is left_open for c in fixtures_local._service_clients)
     assert fixtures_local.close_service_clients_since(before) == 1
-    assert left_open not in fixtures_local._service_clients
+    assert not any(c is left_open for c in fixtures_local._service_clients)
     if local_tinker.server is not None:  # the fixture's own server: its database is readable
         db = local_tinker.server.run_dir / "tinker.db"
         deadline, status = time.monotonic() + 30, None

@@ -35,7 +35,9 @@ def test_a_teacher_of_another_name_samples_while_the_student_trains_on_one_serve
         monkeypatch.setenv(key, value)
     service = tinker.ServiceClient()
     try:
-        models = {m.model_name: m for m in tinker.RestClient().get_server_capabilities().result().supported_models}
+        # explicit: RestClient() with no arguments reuses the first one this process made (maybe another server)
+        rest = tinker.RestClient(base_url=two_names.base_url, api_key=two_names.env["TINKER_API_KEY"])
+        models = {m.model_name: m for m in rest.get_server_capabilities().result().supported_models}
         assert set(models) == {STUDENT, TEACHER}
         assert models[STUDENT].trainable and not models[TEACHER].trainable and models[TEACHER].sampleable
         ids = transformers.AutoTokenizer.from_pretrained(str(tinker_local.teacher_model_dir(two_names.home))).encode(PROMPT)
