@@ -423,6 +423,12 @@ def live_pids_mentioning(text: str) -> list[int]:
     return pids
 
 
+def sigint_default() -> None:
+    """preexec_fn: SIGINT at its default in the child, so Python turns it into KeyboardInterrupt. A suite started
+    in the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python keeps it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for_checkpoint(run: Path, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -463,8 +469,11 @@ def interrupted_sft(local_tinker, tmp_path_factory):
     ws = tmp_path_factory.mktemp("sigint")
     run = ws / "run"
     env = {**local_tinker.env, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
-    cmd = sft_rehearsal(local_tinker.tokenizer_dir, run)
-    proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # 10 epochs (50 steps, a checkpoint each): the run is still going, tens of seconds of steps away from its
+    # end, when the signal sent after the first checkpoint row lands, however fast a step is
+    cmd = sft_rehearsal(local_tinker.tokenizer_dir, run, "--epochs", "10", "--max-steps", "50")
+    proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     wait_for_checkpoint(run, proc, 900)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
@@ -485,7 +494,7 @@ def test_sigint_during_a_rehearsal_is_recorded_and_resumable(interrupted_sft):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     final = assert_run_record_whole(r["run"])
     assert final[: len(r["rows"])] == r["rows"]  # resume appends; it never rewrites what was recorded
-    assert max(row.get("step", 0) for row in final) >= 6 - 1
+    assert max(row.get("step", 0) for row in final) == 50  # 10 epochs of 5 steps, each once
 
 
 @pytest.mark.e2e
