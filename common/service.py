@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from errors import AccessError, BudgetError, DataError, local_hint, local_launcher, say  # splice: drop
+from errors import AccessError, BudgetError, DataError, local_hint, local_launcher, say, script_command  # splice: drop
 
 HOSTED_BASE_URL = "https://tinker.thinkingmachines.dev/services/tinker-prod"  # SDK 0.38 lib/base_url.py
 REACH_TIMEOUT_S = 3.0
@@ -234,6 +234,20 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
             raise BudgetError(f"cannot check --max-usd: {e}") from None
         say(f"no dollar estimate: {e}")
         return None
+
+
+def no_estimate_reason(*models) -> str:
+    """Why a run's summary has no dollar estimate: the prices are not beside this script, or the catalogue has
+    no price for one of `models` (retired or unknown; tinker_pricing.py lists what it prices)."""
+    pricing = load_pricing()
+    if pricing is None:
+        return "tinker_pricing.py not beside this script"
+    for model in models:
+        try:
+            pricing.resolve_model(model)
+        except ValueError:  # UnknownModelError included
+            return f"no catalogue price for {model}; see {script_command('tinker_pricing.py', 'list', server=False)}"
+    return "no estimate was made"
 
 
 def copy_pricing_command() -> str:

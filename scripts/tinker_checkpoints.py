@@ -672,10 +672,11 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
-def script_command(name: str, *args) -> str:
+def script_command(name: str, *args, server: bool = True) -> str:
     """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
     (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store, unless
+    server=False (a command that never calls Tinker, e.g. `tinker_pricing.py list`)."""
     import shlex
 
     path = sibling_script(name)
@@ -683,7 +684,7 @@ def script_command(name: str, *args) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
         command = f"python {shlex.quote(launcher)} run -- {command}"
     return command
 
@@ -1387,7 +1388,7 @@ def server_message(response) -> str:
             err = err.get("message", err)
         return str(err)[:300]
     return str(body)[:300]
-# ==== END SHARED CODE (sha256 8825dc0bfd8a) ====
+# ==== END SHARED CODE (sha256 f877ccde2d61) ====
 
 
 if __name__ == "__main__":

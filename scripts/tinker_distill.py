@@ -390,9 +390,8 @@ def print_outcome(args, student, report):
     lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl); final sampler {report['sampler_path']}",
               f"on Tinker this run would cost about ${usd:.4f} ({args.model_name} and the teacher's prefill, the "
               "estimate above; the rehearsal teacher's own training is not in it)" if usd is not None
-              else "on Tinker: no dollar estimate (" + ("tinker_pricing.py not beside this script)" if load_pricing() is None
-                                                        else f"no catalogue price for {args.model_name} or {report['teacher']['teacher']}; see "
-                                                             f"{script_command('tinker_pricing.py', 'list')})"),
+              else "on Tinker: no dollar estimate "
+                   f"({no_estimate_reason(args.model_name, report['teacher']['base_model'])})",
               "next     sample it: " + (script_command("tinker_infer.py", "--run", log, "--prompt", question) if question
                                         else script_command("tinker_infer.py", "--run", log)),
               f"took     {report['seconds']:.0f} s"]
@@ -863,10 +862,11 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
-def script_command(name: str, *args) -> str:
+def script_command(name: str, *args, server: bool = True) -> str:
     """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
     (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store, unless
+    server=False (a command that never calls Tinker, e.g. `tinker_pricing.py list`)."""
     import shlex
 
     path = sibling_script(name)
@@ -874,7 +874,7 @@ def script_command(name: str, *args) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
         command = f"python {shlex.quote(launcher)} run -- {command}"
     return command
 
@@ -2073,6 +2073,20 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
         return None
 
 
+def no_estimate_reason(*models) -> str:
+    """Why a run's summary has no dollar estimate: the prices are not beside this script, or the catalogue has
+    no price for one of `models` (retired or unknown; tinker_pricing.py lists what it prices)."""
+    pricing = load_pricing()
+    if pricing is None:
+        return "tinker_pricing.py not beside this script"
+    for model in models:
+        try:
+            pricing.resolve_model(model)
+        except ValueError:  # UnknownModelError included
+            return f"no catalogue price for {model}; see {script_command('tinker_pricing.py', 'list', server=False)}"
+    return "no estimate was made"
+
+
 def copy_pricing_command() -> str:
     """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
     shows where the bundle is, else the words."""
@@ -2307,7 +2321,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 a1ee5b4bd203) ====
+# ==== END SHARED CODE (sha256 d97f74e39365) ====
 
 
 if __name__ == "__main__":

@@ -327,10 +327,11 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
-def script_command(name: str, *args) -> str:
+def script_command(name: str, *args, server: bool = True) -> str:
     """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
     (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store, unless
+    server=False (a command that never calls Tinker, e.g. `tinker_pricing.py list`)."""
     import shlex
 
     path = sibling_script(name)
@@ -338,7 +339,7 @@ def script_command(name: str, *args) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
         command = f"python {shlex.quote(launcher)} run -- {command}"
     return command
 
@@ -1726,7 +1727,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 87a918bfceb4) ====
+# ==== END SHARED CODE (sha256 736afc9a770d) ====
 
 
 if __name__ == "__main__":

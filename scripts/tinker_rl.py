@@ -1027,10 +1027,11 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
-def script_command(name: str, *args) -> str:
+def script_command(name: str, *args, server: bool = True) -> str:
     """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
     (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store, unless
+    server=False (a command that never calls Tinker, e.g. `tinker_pricing.py list`)."""
     import shlex
 
     path = sibling_script(name)
@@ -1038,7 +1039,7 @@ def script_command(name: str, *args) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
         command = f"python {shlex.quote(launcher)} run -- {command}"
     return command
 
@@ -2789,7 +2790,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 b43fd1cbde11) ====
+# ==== END SHARED CODE (sha256 24c95962821d) ====
 
 
 if __name__ == "__main__":

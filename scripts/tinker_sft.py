@@ -753,7 +753,7 @@ def print_outcome(args, job, report):
     lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl, eval.jsonl); "
               f"final sampler {report['sampler_path']}",
               f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above)" if usd is not None
-              else "on Tinker: no dollar estimate (tinker_pricing.py not beside this script)",
+              else f"on Tinker: no dollar estimate ({no_estimate_reason(args.model_name)})",
               "next     sample it: " + script_command("tinker_infer.py", "--run", log, "--prompt",
                                                      ev["probes"][0]["prompt"] if ev["probes"] else "Hello"),
               f"took     {report.get('seconds', 0):.0f} s"]
@@ -896,10 +896,11 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
-def script_command(name: str, *args) -> str:
+def script_command(name: str, *args, server: bool = True) -> str:
     """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
     (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store."""
+    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store, unless
+    server=False (a command that never calls Tinker, e.g. `tinker_pricing.py list`)."""
     import shlex
 
     path = sibling_script(name)
@@ -907,7 +908,7 @@ def script_command(name: str, *args) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
         command = f"python {shlex.quote(launcher)} run -- {command}"
     return command
 
@@ -2552,6 +2553,20 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
         return None
 
 
+def no_estimate_reason(*models) -> str:
+    """Why a run's summary has no dollar estimate: the prices are not beside this script, or the catalogue has
+    no price for one of `models` (retired or unknown; tinker_pricing.py lists what it prices)."""
+    pricing = load_pricing()
+    if pricing is None:
+        return "tinker_pricing.py not beside this script"
+    for model in models:
+        try:
+            pricing.resolve_model(model)
+        except ValueError:  # UnknownModelError included
+            return f"no catalogue price for {model}; see {script_command('tinker_pricing.py', 'list', server=False)}"
+    return "no estimate was made"
+
+
 def copy_pricing_command() -> str:
     """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
     shows where the bundle is, else the words."""
@@ -2747,7 +2762,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 c94dd6f3b4a7) ====
+# ==== END SHARED CODE (sha256 a54c35130fb5) ====
 
 
 if __name__ == "__main__":
