@@ -581,6 +581,7 @@ def peft_embedding_layout(state: dict, model, torch) -> dict:
 # ---- common/errors.py ----
 # Errors and exit codes: every script fails with one line on stderr and a documented exit code.
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -724,6 +725,27 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     if error_json:
         emit({"status": status, "exit_code": code, "error": line.split(": ", 1)[1] if status == "error" else line})
     return code
+
+
+def exit_process(code: int):
+    """End the script with `code`: sys.exit, except when the SDK's HTTP transport is loaded on CPython < 3.14,
+    where the atexit handlers run, stdout and stderr are flushed and the process ends without interpreter
+    teardown (os._exit). Why: tinker 0.38 sends its requests through pyqwest, whose Rust threads hand each
+    response chunk to Python; one that lands while CPython < 3.14 tears the interpreter down makes glibc abort
+    the process (exit 134, -6 from subprocess, nothing on stderr) after all the work is done and reported
+    [pyqwest issue 164, PyO3 issue 6084]. A Ctrl-C during a request or a heartbeat in flight at the end
+    hits it; seen in 2 of 1,127 test runs."""
+    if "pyqwest" not in sys.modules or sys.version_info >= (3, 14):
+        sys.exit(code)
+    try:
+        atexit._run_exitfuncs()  # logging.shutdown and every other atexit handler, as a normal exit would
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code if isinstance(code, int) else EXIT_FAILURE)
 
 
 class Parser(argparse.ArgumentParser):
@@ -1388,8 +1410,8 @@ def server_message(response) -> str:
             err = err.get("message", err)
         return str(err)[:300]
     return str(body)[:300]
-# ==== END SHARED CODE (sha256 f877ccde2d61) ====
+# ==== END SHARED CODE (sha256 0edb64afaaaf) ====
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -37,6 +37,10 @@ import tinker_local
 __all__ = ["LocalTinker", "local_backend_install", "local_tinker", "local_sft_run", "local_rl_run",
            "close_service_clients_made_by_the_test", "close_service_clients_made_by_the_module"]
 ROOT = Path(__file__).resolve().parent.parent
+# The last lines of a `python -c` program that uses the SDK: exit without interpreter teardown, where a pyqwest
+# thread delivering a late response aborts CPython < 3.14 (exit -6 after the work is done; pyqwest issue 164,
+# references/troubleshooting.md). The scripts do the same through common/errors.exit_process.
+EXIT_WITHOUT_TEARDOWN = "\nimport os as _os, sys as _sys\n_sys.stdout.flush(); _sys.stderr.flush(); _os._exit(0)\n"
 
 _service_clients: list = []  # every tinker.ServiceClient made in this process and not yet closed
 
@@ -168,7 +172,7 @@ tinker_rl.EVAL_TASKS = [{{"id": i}} for i in range(4, 6)]  # held out, same shap
 tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
 # always differs between random samples: no group ties, so iteration 0 trains
 tinker_rl.reward = lambda task, text: sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
-sys.exit(tinker_rl.run_cli(tinker_rl.main, sys.argv[1:]))
+tinker_rl.exit_process(tinker_rl.run_cli(tinker_rl.main, sys.argv[1:]))
 """
 
 

@@ -578,3 +578,31 @@ def test_every_exit_code_the_table_expects_is_in_the_scripts_docstring(name):
 def test_skill_md_lists_every_exit_code_the_scripts_use():
     skill = (ROOT / "SKILL.md").read_text()
     assert documented_exit_codes(skill) >= {0, 1, 2, 3, 4, 130, 143}
+
+
+EXIT_PROBE = """
+import atexit, sys, threading
+sys.path.insert(0, sys.argv[1])
+{pyqwest}
+from errors import exit_process
+atexit.register(lambda: open(sys.argv[2], "w").write("ran"))
+# a non-daemon thread that never ends: a normal exit (threading._shutdown) would wait for it forever
+threading.Thread(target=threading.Event().wait, daemon=False).start() if {block} else None
+sys.stdout.write('{{"status": "ok"}}')  # no newline, stdout is a pipe: still in the buffer
+exit_process(3)
+"""
+
+
+@pytest.mark.parametrize("transport", ["pyqwest", "none"])
+def test_exit_process_keeps_the_code_the_output_and_the_atexit_handlers(transport, tmp_path):
+    """The scripts end through common/errors.exit_process. With the SDK's transport loaded on CPython < 3.14 it skips
+    interpreter teardown (where a pyqwest thread can abort the process, pyqwest issue 164): what the caller sees
+    must not change: the exit code, the buffered stdout, the atexit handlers. The never-ending non-daemon thread
+    shows teardown is skipped (a sys.exit would wait for it; the timeout would fail the test)."""
+    skipped = transport == "pyqwest" and sys.version_info < (3, 14)
+    code = EXIT_PROBE.format(pyqwest="import pyqwest" if transport == "pyqwest" else "", block=skipped)
+    marker = tmp_path / "atexit"
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "common"), str(marker)],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, '{"status": "ok"}', "")
+    assert marker.read_text() == "ran"

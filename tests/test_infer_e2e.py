@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures_local import EXIT_WITHOUT_TEARDOWN
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +45,8 @@ with tinker.ServiceClient() as service:
 
 
 def python(local_tinker, code, *args, timeout=600):
-    proc = subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, **local_tinker.env},
+    proc = subprocess.run([sys.executable, "-c", code + EXIT_WITHOUT_TEARDOWN, *args],
+                          env={**os.environ, **local_tinker.env},
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import tinker_local
+from fixtures_local import EXIT_WITHOUT_TEARDOWN
 
 SCRIPT = Path(tinker_local.__file__).resolve()
 SERVER = tinker_local.SERVER
@@ -124,7 +125,7 @@ def test_get_tokenizer_resolves_the_real_name_offline(local_tinker, tmp_path):
             [{{"role": "user", "content": "hi"}}], tokenize=False, add_generation_prompt=True)
             .count("<|im_start|>"))
         sc.close("success").result()
-    """)
+    """) + EXIT_WITHOUT_TEARDOWN
     done = subprocess.run([sys.executable, "-c", code], env=local_tinker.env, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -952,7 +953,7 @@ def parity_rows(local_tinker, tokenizer) -> list[tuple[str, str]]:
         sc = service.create_sampling_client(base_model={local_tinker.model!r}).result()
         print(tc.result().get_tokenizer().eos_token, sc.get_tokenizer().eos_token)
         service.close("success").result()
-        """)], env=local_tinker.env, capture_output=True, text=True, timeout=600)
+        """) + EXIT_WITHOUT_TEARDOWN], env=local_tinker.env, capture_output=True, text=True, timeout=600)
     got = tokenizers.stdout.split()[-2:] if tokenizers.returncode == 0 else [tokenizers.stderr.strip().splitlines()[-1]] * 2
 
     def tokenizer_check(value):

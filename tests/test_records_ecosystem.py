@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures_local import EXIT_WITHOUT_TEARDOWN
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -61,8 +62,8 @@ def tinkerscope_discovery(root, tmp_path, server_env=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "TINKERSCOPE_"))}
     env.update(server_env or {}, TINKERSCOPE_SCAN_ROOTS=str(root), XDG_STATE_HOME=str(tmp_path / "state"),
                PYTHONPATH=str(tinkerscope_dir()))
-    out = subprocess.run([sys.executable, "-c", DISCOVER], capture_output=True, text=True, env=env,
-                         cwd=tmp_path, timeout=120)
+    out = subprocess.run([sys.executable, "-c", DISCOVER + EXIT_WITHOUT_TEARDOWN], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
