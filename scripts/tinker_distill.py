@@ -917,7 +917,7 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     return code
 
 
-def exit_process(code: int):
+def exit_process(code: int | None):
     """End the script with `code`: sys.exit, except when the SDK's HTTP transport is loaded on CPython < 3.14,
     where the atexit handlers run, stdout and stderr are flushed and the process ends without interpreter
     teardown (os._exit). Why: tinker 0.38 sends its requests through pyqwest, whose Rust threads hand each
@@ -927,6 +927,8 @@ def exit_process(code: int):
     hits it; seen in 2 of 1,127 test runs."""
     if "pyqwest" not in sys.modules or sys.version_info >= (3, 14):
         sys.exit(code)
+    if code is not None and not isinstance(code, int):  # as sys.exit("message") does: the message, then 1
+        print(code, file=sys.stderr)
     try:
         atexit._run_exitfuncs()  # logging.shutdown and every other atexit handler, as a normal exit would
     finally:
@@ -935,7 +937,7 @@ def exit_process(code: int):
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(code if isinstance(code, int) else EXIT_FAILURE)
+        os._exit(0 if code is None else code if isinstance(code, int) else EXIT_FAILURE)
 
 
 # ---- common/flags.py ----
@@ -2343,7 +2345,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 264414586295) ====
+# ==== END SHARED CODE (sha256 3540371f475e) ====
 
 
 if __name__ == "__main__":

@@ -788,7 +788,7 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     return code
 
 
-def exit_process(code: int):
+def exit_process(code: int | None):
     """End the script with `code`: sys.exit, except when the SDK's HTTP transport is loaded on CPython < 3.14,
     where the atexit handlers run, stdout and stderr are flushed and the process ends without interpreter
     teardown (os._exit). Why: tinker 0.38 sends its requests through pyqwest, whose Rust threads hand each
@@ -798,6 +798,8 @@ def exit_process(code: int):
     hits it; seen in 2 of 1,127 test runs."""
     if "pyqwest" not in sys.modules or sys.version_info >= (3, 14):
         sys.exit(code)
+    if code is not None and not isinstance(code, int):  # as sys.exit("message") does: the message, then 1
+        print(code, file=sys.stderr)
     try:
         atexit._run_exitfuncs()  # logging.shutdown and every other atexit handler, as a normal exit would
     finally:
@@ -806,7 +808,7 @@ def exit_process(code: int):
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(code if isinstance(code, int) else EXIT_FAILURE)
+        os._exit(0 if code is None else code if isinstance(code, int) else EXIT_FAILURE)
 
 
 # ---- common/flags.py ----
@@ -2162,7 +2164,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 f2b7779e7d9c) ====
+# ==== END SHARED CODE (sha256 5f81868be658) ====
 
 
 if __name__ == "__main__":

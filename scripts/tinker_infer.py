@@ -601,7 +601,7 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     return code
 
 
-def exit_process(code: int):
+def exit_process(code: int | None):
     """End the script with `code`: sys.exit, except when the SDK's HTTP transport is loaded on CPython < 3.14,
     where the atexit handlers run, stdout and stderr are flushed and the process ends without interpreter
     teardown (os._exit). Why: tinker 0.38 sends its requests through pyqwest, whose Rust threads hand each
@@ -611,6 +611,8 @@ def exit_process(code: int):
     hits it; seen in 2 of 1,127 test runs."""
     if "pyqwest" not in sys.modules or sys.version_info >= (3, 14):
         sys.exit(code)
+    if code is not None and not isinstance(code, int):  # as sys.exit("message") does: the message, then 1
+        print(code, file=sys.stderr)
     try:
         atexit._run_exitfuncs()  # logging.shutdown and every other atexit handler, as a normal exit would
     finally:
@@ -619,7 +621,7 @@ def exit_process(code: int):
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(code if isinstance(code, int) else EXIT_FAILURE)
+        os._exit(0 if code is None else code if isinstance(code, int) else EXIT_FAILURE)
 
 
 class Parser(argparse.ArgumentParser):
@@ -1989,7 +1991,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 3b5ac2099af4) ====
+# ==== END SHARED CODE (sha256 4361af792366) ====
 
 
 if __name__ == "__main__":

@@ -589,20 +589,20 @@ atexit.register(lambda: open(sys.argv[2], "w").write("ran"))
 # a non-daemon thread that never ends: a normal exit (threading._shutdown) would wait for it forever
 threading.Thread(target=threading.Event().wait, daemon=False).start() if {block} else None
 sys.stdout.write('{{"status": "ok"}}')  # no newline, stdout is a pipe: still in the buffer
-exit_process(3)
+exit_process({code})
 """
 
 
-@pytest.mark.parametrize("transport", ["pyqwest", "none"])
-def test_exit_process_keeps_the_code_the_output_and_the_atexit_handlers(transport, tmp_path):
+@pytest.mark.parametrize("transport,code,expected", [("pyqwest", 3, 3), ("pyqwest", None, 0), ("none", 3, 3)])
+def test_exit_process_keeps_the_code_the_output_and_the_atexit_handlers(transport, code, expected, tmp_path):
     """The scripts end through common/errors.exit_process. With the SDK's transport loaded on CPython < 3.14 it skips
     interpreter teardown (where a pyqwest thread can abort the process, pyqwest issue 164): what the caller sees
     must not change: the exit code, the buffered stdout, the atexit handlers. The never-ending non-daemon thread
     shows teardown is skipped (a sys.exit would wait for it; the timeout would fail the test)."""
     skipped = transport == "pyqwest" and sys.version_info < (3, 14)
-    code = EXIT_PROBE.format(pyqwest="import pyqwest" if transport == "pyqwest" else "", block=skipped)
+    program = EXIT_PROBE.format(pyqwest="import pyqwest" if transport == "pyqwest" else "", block=skipped, code=code)
     marker = tmp_path / "atexit"
-    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "common"), str(marker)],
+    proc = subprocess.run([sys.executable, "-c", program, str(ROOT / "common"), str(marker)],
                           capture_output=True, text=True, timeout=120)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (3, '{"status": "ok"}', "")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (expected, '{"status": "ok"}', "")
     assert marker.read_text() == "ran"
