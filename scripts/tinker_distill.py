@@ -917,6 +917,12 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     return code
 
 
+def teardown_can_abort() -> bool:
+    """Whether interpreter teardown can abort this process: the SDK's HTTP transport (pyqwest) is loaded and
+    CPython is older than 3.14 (see exit_process)."""
+    return "pyqwest" in sys.modules and sys.version_info < (3, 14)
+
+
 def exit_process(code: int | None):
     """End the script with `code`: sys.exit, except when the SDK's HTTP transport is loaded on CPython < 3.14,
     where the atexit handlers run, stdout and stderr are flushed and the process ends without interpreter
@@ -925,7 +931,7 @@ def exit_process(code: int | None):
     the process (exit 134, -6 from subprocess, nothing on stderr) after all the work is done and reported
     [pyqwest issue 164, PyO3 issue 6084]. A Ctrl-C during a request or a heartbeat in flight at the end
     hits it; seen in 2 of 1,127 test runs."""
-    if "pyqwest" not in sys.modules or sys.version_info >= (3, 14):
+    if not teardown_can_abort():
         sys.exit(code)
     if code is not None and not isinstance(code, int):  # as sys.exit("message") does: the message, then 1
         print(code, file=sys.stderr)
@@ -2345,7 +2351,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 3540371f475e) ====
+# ==== END SHARED CODE (sha256 99821a86c6f1) ====
 
 
 if __name__ == "__main__":

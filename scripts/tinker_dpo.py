@@ -788,6 +788,12 @@ def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str 
     return code
 
 
+def teardown_can_abort() -> bool:
+    """Whether interpreter teardown can abort this process: the SDK's HTTP transport (pyqwest) is loaded and
+    CPython is older than 3.14 (see exit_process)."""
+    return "pyqwest" in sys.modules and sys.version_info < (3, 14)
+
+
 def exit_process(code: int | None):
     """End the script with `code`: sys.exit, except when the SDK's HTTP transport is loaded on CPython < 3.14,
     where the atexit handlers run, stdout and stderr are flushed and the process ends without interpreter
@@ -796,7 +802,7 @@ def exit_process(code: int | None):
     the process (exit 134, -6 from subprocess, nothing on stderr) after all the work is done and reported
     [pyqwest issue 164, PyO3 issue 6084]. A Ctrl-C during a request or a heartbeat in flight at the end
     hits it; seen in 2 of 1,127 test runs."""
-    if "pyqwest" not in sys.modules or sys.version_info >= (3, 14):
+    if not teardown_can_abort():
         sys.exit(code)
     if code is not None and not isinstance(code, int):  # as sys.exit("message") does: the message, then 1
         print(code, file=sys.stderr)
@@ -2164,7 +2170,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 5f81868be658) ====
+# ==== END SHARED CODE (sha256 8e10cf96ce6a) ====
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ reference then lost the client while the SDK's background heartbeat kept its ses
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -37,10 +39,25 @@ import tinker_local
 __all__ = ["LocalTinker", "local_backend_install", "local_tinker", "local_sft_run", "local_rl_run",
            "close_service_clients_made_by_the_test", "close_service_clients_made_by_the_module"]
 ROOT = Path(__file__).resolve().parent.parent
-# The last lines of a `python -c` program that uses the SDK: exit without interpreter teardown, where a pyqwest
-# thread delivering a late response aborts CPython < 3.14 (exit -6 after the work is done; pyqwest issue 164,
-# references/troubleshooting.md). The scripts do the same through common/errors.exit_process.
-EXIT_WITHOUT_TEARDOWN = "\nimport os as _os, sys as _sys\n_sys.stdout.flush(); _sys.stderr.flush(); _os._exit(0)\n"
+# The last lines of a `python -c` program that uses the SDK: end through common/errors.exit_process, as the
+# scripts do, which skips interpreter teardown where a pyqwest thread delivering a late response aborts
+# CPython < 3.14 (exit -6 after the work is done; pyqwest issue 164, references/troubleshooting.md).
+def common_module(name: str):
+    """common/NAME.py, the shared source the scripts' generated regions are copied from, loaded by its path."""
+    spec = importlib.util.spec_from_file_location(f"bundle_common_{name}", ROOT / "common" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+EXIT_WITHOUT_TEARDOWN = (f"\nimport sys as _sys\n_sys.path.insert(0, {str(ROOT / 'common')!r})\n"
+                         "from errors import exit_process as _exit_process\n_exit_process(0)\n")
+
+
+def sigint_default() -> None:
+    """preexec_fn: SIGINT at its default in the child, so Python turns it into KeyboardInterrupt. A suite started
+    in the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python keeps it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 _service_clients: list = []  # every tinker.ServiceClient made in this process and not yet closed
 

@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from fixtures_local import sigint_default
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -421,12 +422,6 @@ def live_pids_mentioning(text: str) -> list[int]:
             if text in cmdline and int(proc.name) != os.getpid():
                 pids.append(int(proc.name))
     return pids
-
-
-def sigint_default() -> None:
-    """preexec_fn: SIGINT at its default in the child, so Python turns it into KeyboardInterrupt. A suite started
-    in the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and Python keeps it so."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_checkpoint(run: Path, proc: subprocess.Popen, timeout_s: float) -> None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures_local import sigint_default
 
 import tinker_report
 
@@ -320,11 +321,8 @@ def test_watch_rewrites_the_report_as_rows_arrive_and_stops_cleanly_on_ctrl_c(tm
     run = tmp_path / "live"
     run.mkdir()
     write_rows(run / "metrics.jsonl", [{"step": 1, "loss": 2.0, "learning_rate": 0.1}])
-    # SIGINT at its default in the child: a suite started in the background by a non-interactive shell inherits
-    # it ignored, and the watcher would never see the Ctrl-C
     proc = subprocess.Popen([sys.executable, str(SCRIPT), str(run), "--watch", "0.5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     try:
         report = run / "report.html"
 
