@@ -1,4 +1,6 @@
 """Shared fixtures: the local Tinker backend and offline tokenizers (see DEVELOPING.md)."""
+import os
+
 import pytest
 
 from fixtures_local import *  # noqa: F401,F403
@@ -6,6 +8,16 @@ from fixtures_local import common_module
 from fixtures_tokenizers import *  # noqa: F401,F403
 
 _EXIT_STATUS: list[int] = []
+WORKER_MEMORY_GIB = 6  # a worker's local server (~2.3 GB), a module's own server, the scripts it runs
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject.toml's addopts): one pytest-xdist worker per core, at most 4, and at most one per
+    WORKER_MEMORY_GIB of memory. Each worker has its own session server (`local_tinker`); `-n 0` runs in one
+    process, as before."""
+    cores = len(os.sched_getaffinity(0))
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cores, 4, int(memory_gib // WORKER_MEMORY_GIB)))
 
 
 def pytest_sessionfinish(session, exitstatus):
