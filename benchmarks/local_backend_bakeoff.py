@@ -421,7 +421,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed warm training steps per round")
     p.add_argument("--samples", type=int, default=3, help="timed warm sampling calls per round")
     p.add_argument("--reuse-setup", action="store_true",
-                   help="use the installed .venv-local and an existing .cache/bakeoff/hatchery venv (no setup timing)")
+                   help="use the installed server venv and an existing .cache/bakeoff/hatchery venv (no setup timing)")
     p.add_argument("--no-parity", action="store_true", help="skip the parity probe list")
     p.add_argument("--probe-timeout", type=float, default=1500)
     args = p.parse_args(argv)

@@ -17,7 +17,8 @@ answers exactly (greedy probes). The calls, shapes, checkpoints and control flow
 **Edit:** nothing; this is a tool. Settings are flags (see `--help` of each subcommand).
 
 **Outputs:**
-  `setup`  installs the server venv (default `<repo>/.venv-local`, `$TINKER_LOCAL_VENV`), builds
+  `setup`  installs the server venv (default `~/.cache/tinker-training-inference/local-backend-venv`, shared by
+           every clone of this user; `$TINKER_LOCAL_VENV`), builds
            the tiny model and seeds an offline Hugging Face cache under the cache folder
            (default `<repo>/.cache/tinker-local`, `$TINKER_LOCAL_HOME`); prints one JSON object.
   `serve`  starts the server on 127.0.0.1, waits until the engine is ready, prints
@@ -89,7 +90,10 @@ BANNER = ("local rehearsal: a tiny random model stands in for {model}; "
 TEACHER_BANNER = ("local rehearsal: a tiny teacher (the tiny model plus one layer trained on the rehearsal facts) "
                   "stands in for {model}, for sampling only (a teacher); its samples are not those of {model}")
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_VENV = REPO / ".venv-local"
+USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tinker-training-inference"
+# The server venv (~2 GB, ~75 s of pip from nothing) depends only on the pins below: one per user, shared by every
+# clone and worktree (a fresh clone's setup skips it); the pins' fingerprint inside it says when to reinstall.
+DEFAULT_VENV = USER_CACHE / "local-backend-venv"
 DEFAULT_HOME = REPO / ".cache" / "tinker-local"
 READY_TIMEOUT_SEC = 300  # cold start is ~30 s on an idle 2-core box; a busy one is slower
 MAX_LORA_ADAPTERS = 14   # slot 0 is the base model; a live client costs its own slot only (setup.md, "Speed")
@@ -260,18 +264,20 @@ def _load_state(path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def _locked(home: Path):
-    """One setup (or cache seeding) at a time per cache folder: parallel test runs share it."""
+def _locked(folder: Path, name: str = "setup.lock"):
+    """One setup (or cache seeding) at a time per cache folder (or per venv): parallel test runs and clones
+    share them."""
     import fcntl
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / "setup.lock", "w") as lock:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / name, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
 def setup(venv: Path, home: Path, python: str | None = None, model: str = DEFAULT_MODEL) -> dict:
-    """Install the server venv, build the tiny model, seed the HF cache. Skips finished steps."""
-    with _locked(home):
+    """Install the server venv, build the tiny model, seed the HF cache. Skips finished steps. The venv's lock
+    (beside it: clones share the default venv) is taken before the cache folder's, always in that order."""
+    with _locked(venv.parent, f".{venv.name}.lock"), _locked(home):
         return _setup(venv, home, python, model)
 
 
@@ -392,7 +398,7 @@ def jax_cache_dir() -> Path:
     override = os.environ.get("TINKER_LOCAL_JAX_CACHE")
     if override:
         return Path(override).resolve()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tinker-training-inference" / "jax-cache"
+    return USER_CACHE / "jax-cache"
 
 
 def _server_env(home: Path) -> dict[str, str]:
@@ -872,7 +878,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="sub", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--venv", type=Path, default=None,
-                        help=f"server venv (default $TINKER_LOCAL_VENV or {DEFAULT_VENV.name}/ in the repo)")
+                        help="server venv (default $TINKER_LOCAL_VENV or ~/.cache/tinker-training-inference/"
+                             "local-backend-venv, shared by every clone)")
     common.add_argument("--home", type=Path, default=None,
                         help="cache folder: model, HF cache, JAX cache, runs "
                              "(default $TINKER_LOCAL_HOME or .cache/tinker-local/ in the repo)")

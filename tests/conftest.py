@@ -12,12 +12,13 @@ WORKER_MEMORY_GIB = 6  # a worker's local server (~2.3 GB), a module's own serve
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject.toml's addopts): one pytest-xdist worker per core, at most 4, and at most one per
-    WORKER_MEMORY_GIB of memory. Each worker has its own session server (`local_tinker`); `-n 0` runs in one
-    process, as before."""
+    """`-n auto` (pyproject.toml's addopts): pytest-xdist workers, one more than the cores (a quarter of the suite
+    waits on the SDK's timeouts and retries, server starts and subprocesses, and another worker fills it), at most 4
+    and at most one per WORKER_MEMORY_GIB of memory. Each worker has its own session server (`local_tinker`); `-n 0`
+    runs in one process."""
     cores = len(os.sched_getaffinity(0))
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(cores, 4, int(memory_gib // WORKER_MEMORY_GIB)))
+    return max(1, min(cores + 1, 4, int(memory_gib // WORKER_MEMORY_GIB)))
 
 
 def pytest_sessionfinish(session, exitstatus):
