@@ -20,32 +20,42 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, 4, int(memory_gib // WORKER_MEMORY_GIB)))
 
 
-def xdist_group_of(item) -> str:
-    """A test module runs whole on one worker: its module fixtures (a trained run, a server of its own,
-    test_bad_inputs.py's batch of every case) are made once. test_faults_e2e.py is split by script: each script's
-    uninterrupted baseline run is made once per group."""
-    name = item.module.__name__
-    case = item.callspec.params.get("case") if hasattr(item, "callspec") else None
-    return f"{name}:{case.script}" if name == "test_faults_e2e" and case is not None else name
+def xdist_group(nodeid: str) -> str:
+    """The share of the suite one worker runs whole: a test module, so its module fixtures (a trained run, a server
+    of its own, test_bad_inputs.py's batch of every case) are made once; test_faults_e2e.py's cases are split by
+    script (each case id starts with it), each script's uninterrupted baseline run made once per group."""
+    path, _, name = nodeid.partition("::")
+    if path.endswith("test_faults_e2e.py") and "[" in name:
+        return f"{path}:{name.split('[', 1)[1].split('-', 1)[0]}"
+    return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist hands out whole groups (xdist_group) in collection order (pytest_collection_modifyitems). Its own
+    `--dist loadgroup` marks cannot do this under pytest 9 (xdist 3.8 renames `item._nodeid`, which pytest 9 no
+    longer reads), so the group is computed from the test id here."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return ByGroup(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """How the workers share the suite (`--dist loadgroup --no-loadscope-reorder` in pyproject.toml's addopts): one
-    xdist group per module (xdist_group_of); groups with end-to-end tests go first, then the quick ones, each part
-    with the most tests first, so that no worker is left finishing a long module alone at the end."""
+    """The order the groups are handed out in (pyproject.toml's addopts: `-n auto --dist loadscope
+    --no-loadscope-reorder`): groups with end-to-end tests first, then the quick ones, each part with the most tests
+    first, so that no worker is left finishing a long module alone at the end."""
     groups: dict[str, list] = {}
     for item in items:
-        groups.setdefault(xdist_group_of(item), []).append(item)
+        groups.setdefault(xdist_group(item.nodeid), []).append(item)
 
     def order(name: str) -> tuple:
         members = groups[name]
         return (all(item.get_closest_marker("e2e") is None for item in members), -len(members))
 
     items[:] = [item for name in sorted(groups, key=order) for item in groups[name]]
-    for name, members in groups.items():
-        for item in members:
-            item.add_marker(pytest.mark.xdist_group(name))
 
 
 def pytest_sessionfinish(session, exitstatus):
