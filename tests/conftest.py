@@ -12,10 +12,10 @@ WORKER_MEMORY_GIB = 6  # a worker's local server (~2.3 GB), a module's own serve
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto --dist worksteal` (pyproject.toml's addopts): one pytest-xdist worker per core, at most 4 and at most
-    one per WORKER_MEMORY_GIB of memory. Each worker has its own session server (`local_tinker`); `-n 0` runs in one
-    process. Measured on 2 cores (references/setup.md, "The test suite"): a third worker, or whole modules per
-    worker with the end-to-end ones first, were slower: the suite is CPU-bound once two run."""
+    """`pytest -n auto --dist worksteal` (opt-in; the default run is one process, see references/setup.md, "The test
+    suite"): one pytest-xdist worker per core, at most 4 and at most one per WORKER_MEMORY_GIB of memory. Each worker
+    has its own session server (`local_tinker`). Measured on 2 cores: a third worker, or whole modules per worker with
+    the end-to-end ones first, were slower: the suite is CPU-bound once two run."""
     cores = len(os.sched_getaffinity(0))
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(cores, 4, int(memory_gib // WORKER_MEMORY_GIB)))
