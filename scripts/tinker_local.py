@@ -879,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--venv", type=Path, default=None,
                         help="server venv (default $TINKER_LOCAL_VENV or ~/.cache/tinker-training-inference/"
-                             "local-backend-venv, shared by every clone)")
+                             "local-backend-venv, $XDG_CACHE_HOME respected; shared by every clone)")
     common.add_argument("--home", type=Path, default=None,
                         help="cache folder: model, HF cache, JAX cache, runs "
                              "(default $TINKER_LOCAL_HOME or .cache/tinker-local/ in the repo)")
