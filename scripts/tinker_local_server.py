@@ -36,6 +36,8 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      silent_sessions_never_expire                 sessions with no heartbeat expire   none known
      stale_gradients_survive_slot_reuse           a new model starts with zero grads  none known
      sampling_a_checkpoint_needs_its_training_model  checkpoints get their own slots  none known
+     queue_read_without_snapshot                  the loop reads its queue in one snapshot:
+                                 an optim_step never runs before the forward_backward sent ahead of it  none known
   E. Checkpoints that outlive their server (the store, tinker_local.py)
      checkpoints_die_with_their_server  a model or checkpoint missing from this server's
                                  database is read from the checkpoints folder (model.json +
@@ -478,6 +480,7 @@ def apply_engine_shims() -> None:
         shim_slot_local_training(jax_backend)
         shim_unpadded_loss_chunks()
         shim_sampling_shape_buckets()
+        shim_sampling_noise()
         shim_sqlite_commits(engine)
         shim_wakeups_engine(engine)
     shim_long_sequence_remat()
@@ -703,16 +706,30 @@ def apply_engine_shims() -> None:
                     self.inflight_ids = set()
                     self.idle.set()
 
+    # C. one snapshot of the queue: the loop reads its work in several queries (forward_backwards, forwards,
+    # samples, single ops), and pysqlite runs each SELECT in a transaction of its own. So a forward_backward
+    # and the optim_step sent right behind it could both commit between the first query and the last: the
+    # loop then ran the optim_step first, on zero gradients (Adam's momentum still moved the weights), and
+    # the forward_backward after it, on other weights than the sampler's (a parallel CI run: distill's
+    # kl_sample_train 0.391 at one iteration; server log "No accumulated gradients ... zero gradients").
+    # An explicit BEGIN makes the queries one read transaction, which in WAL mode is one snapshot.
+    def read_queue(self, sampling: bool = True):
+        """(forward_backwards, forwards, samples, singles) pending, read from one snapshot of the queue."""
+        with Session(self.db_engine) as session:
+            if self.db_engine.dialect.name == "sqlite":
+                session.connection().exec_driver_sql("BEGIN")
+            passes = self.find_batchable_model_passes(session, types.RequestType.FORWARD_BACKWARD)
+            forwards = self.find_batchable_model_passes(session, types.RequestType.FORWARD)
+            samples = self.find_batchable_sample(session) if sampling else {}
+            singles = self.find_single_requests(session)
+        return passes, forwards, samples, singles
+
     def process_pending_requests_beside_sampling(self):
         side = self._sampler  # skyrl's slot for its own background sampler: None until the first loop
         if side is None:
             side = self._sampler = SideSampler(self)
         self.reconcile_profiler()
-        with Session(self.db_engine) as session:
-            passes = self.find_batchable_model_passes(session, types.RequestType.FORWARD_BACKWARD)
-            forwards = self.find_batchable_model_passes(session, types.RequestType.FORWARD)
-            samples = self.find_batchable_sample(session) if side.idle.is_set() else {}
-            singles = self.find_single_requests(session)
+        passes, forwards, samples, singles = self.read_queue(sampling=side.idle.is_set())
         cleanup_due = (self.config.session_cleanup_interval_sec >= 0 and self.config.session_timeout_sec >= 0
                        and time.time() - self._last_cleanup_time > self.config.session_cleanup_interval_sec)
         if samples:
@@ -759,6 +776,7 @@ def apply_engine_shims() -> None:
     assert "self.process_batch_requests(sample_requests" in inspect.getsource(
         engine.TinkerEngine.process_pending_requests_once), "skyrl's engine loop changed: re-check the side sampler"
     engine.TinkerEngine.process_pending_requests_once = process_pending_requests_beside_sampling
+    engine.TinkerEngine.read_queue = read_queue
     jax_backend.JaxBackendImpl.create_model = create_model_with_clean_gradients
     engine.TinkerEngine.process_save_weights_for_sampler = save_for_sampler_with_kind
     engine.TinkerEngine.cleanup_stale_sessions = cleanup_including_silent_sessions
@@ -1440,6 +1458,60 @@ def shim_sampling_shape_buckets() -> None:
     generator.GeneratorMixin._prefill_and_decode = staticmethod(prefill_and_decode_in_buckets)
 
 
+def categorical_by_blocks(key, logits, axis=-1, shape=None, replace=True, block=512):
+    """One draw from softmax(logits) (a 1-d row; skyrl's sampler vmaps over rows) by inverse CDF in two levels:
+    a block of `block` entries by its share of the mass, then an entry within it. Two uniforms per draw where
+    jax.random.categorical draws Gumbel noise for every entry (151,936 per token for Qwen3's vocabulary).
+    Entries with logit -inf (top-k / top-p filtered) are never drawn."""
+    import jax
+    import jax.numpy as jnp
+    assert logits.ndim == 1 and axis in (-1, 0) and shape is None and replace, "categorical_by_blocks: one row, one draw"
+    n = logits.shape[0]
+    padded = jnp.pad(logits, (0, -n % block), constant_values=-jnp.inf)
+    mass = jnp.exp(padded - jnp.max(logits)).reshape(-1, block)
+
+    def pick(k, weights):
+        """First index whose running sum exceeds u * total; the last nonzero one if rounding overshoots."""
+        running = jnp.cumsum(weights)
+        i = jnp.searchsorted(running, jax.random.uniform(k, dtype=running.dtype) * running[-1], side="right")
+        last = weights.shape[0] - 1 - jnp.argmax(weights[::-1] > 0)
+        return jnp.where(i >= weights.shape[0], last, i)
+
+    k_block, k_entry = jax.random.split(key)
+    b = pick(k_block, mass.sum(axis=1))
+    return (b * block + pick(k_entry, mass[b])).astype(jnp.int32)
+
+
+def shim_sampling_noise() -> None:
+    """F. sampling noise: skyrl samples each token with jax.random.categorical, which draws Gumbel noise for
+    every vocabulary entry: 151,936 per row per token, 16 ms per 4 rows here against ~1 ms for the rest of
+    the step, most of a sample call's time. Draw by inverse CDF in blocks instead (categorical_by_blocks):
+    the same distribution (softmax of the filtered, temperature-scaled logits), two uniforms per token.
+    A seed still fixes a row's tokens; they are other tokens than unpatched skyrl's for that seed.
+    Greedy (temperature 0) is unchanged."""
+    import types as pytypes
+
+    import jax
+    from skyrl.tx.utils import generator
+
+    assert generator.jax is jax and "jax.random.categorical(key, logit, axis=-1)" in inspect.getsource(generator), \
+        "skyrl's sampler changed: re-check the sampling noise shim"
+
+    class RandomWithBlocks(pytypes.ModuleType):
+        categorical = staticmethod(categorical_by_blocks)
+
+        def __getattr__(self, name):
+            return getattr(jax.random, name)
+
+    class JaxForTheSampler(pytypes.ModuleType):  # only the generator module's name `jax` sees it
+        random = RandomWithBlocks("jax.random")
+
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+    generator.jax = JaxForTheSampler("jax")
+
+
 def shim_sqlite_commits(module) -> None:
     """F. database commits: skyrl's SQLite runs in WAL mode with synchronous=FULL, an fsync per
     commit (~1 ms here; 4-6 commits a step). synchronous=NORMAL keeps WAL's atomicity and survives a
@@ -1903,6 +1975,43 @@ def apply_engine_probes(engine) -> None:
     jax_backend.JaxBackendImpl.sample = sample_probed
 
 
+def optim_step_read_before_its_forward_backward(read) -> bool:
+    """Whether `read(engine)` -> (forward_backwards, singles) hands the loop an optim_step without the
+    forward_backward sent before it, when both commit between the loop's first query and its last (as the
+    API process commits while the engine reads). A temporary SQLite queue in WAL mode, as skyrl's."""
+    import tempfile
+
+    from skyrl.tinker import types
+    from skyrl.tinker.db_models import FutureDB, enable_sqlite_wal
+    from skyrl.tinker.engine import TinkerEngine
+    from sqlmodel import Session, SQLModel, create_engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        db = create_engine(f"sqlite:///{tmp}/queue.db")
+        enable_sqlite_wal(db)
+        SQLModel.metadata.create_all(db)
+        loop = TinkerEngine.__new__(TinkerEngine)  # only its queue queries are used
+        loop.db_engine = db
+        find = TinkerEngine.find_batchable_model_passes
+
+        def then_the_api_commits(self, session, request_type):
+            found = find(self, session, request_type)
+            if request_type == types.RequestType.FORWARD_BACKWARD:
+                with Session(db) as api:
+                    api.add(FutureDB(request_type=types.RequestType.FORWARD_BACKWARD, model_id="m", request_data={}))
+                    api.add(FutureDB(request_type=types.RequestType.OPTIM_STEP, model_id="m", request_data={}))
+                    api.commit()
+            return found
+
+        loop.find_batchable_model_passes = then_the_api_commits.__get__(loop)
+        try:
+            passes, singles = read(loop)
+        finally:
+            db.dispose()
+        kinds = [kind for _, kind, _ in singles.values()]
+        return types.RequestType.OPTIM_STEP in kinds and not passes
+
+
 def check_shims() -> int:
     """Import skyrl with every shim applied and check the versions they were written for."""
     from importlib.metadata import version
@@ -1917,8 +2026,30 @@ def check_shims() -> int:
     paths = {getattr(r, "path", None) for r in api.app.router.routes}
     assert "/api/v1/sessions/{session_id}/finish" in paths
     assert "/oai/api/v1/chat/completions" in paths
+    from skyrl.tinker.engine import TinkerEngine
+    assert not optim_step_read_before_its_forward_backward(
+        lambda loop: (lambda q: (q[0], q[3]))(TinkerEngine.read_queue(loop, sampling=False))), \
+        "the engine loop read an optim_step without the forward_backward sent before it"
+    import jax
+    import jax.numpy as jnp
+    logits = jnp.array([0.5, -1.0, 2.0, -jnp.inf, 0.0, 1.0, -jnp.inf, -0.5, 1.5, -2.0])  # blocks of 4: 3, one padded
+    draws = jax.vmap(lambda k: categorical_by_blocks(k, logits, block=4))(jax.random.split(jax.random.PRNGKey(0), 200_000))
+    share = jnp.bincount(draws, length=12) / draws.shape[0]
+    gap = float(jnp.max(jnp.abs(share[:10] - jax.nn.softmax(logits))))
+    assert gap < 0.005 and float(share[3] + share[6] + share[10:].sum()) == 0.0, (gap, share)
     print("shims ok: skyrl 0.4.0, tinker 0.38.0")
     return 0
+
+
+def skyrls_queue_reads(loop):
+    """skyrl 0.4.0's process_pending_requests_once reads its queue so (the lines, with sampling left out)."""
+    from skyrl.tinker import types
+    from sqlmodel import Session
+    with Session(loop.db_engine) as session:
+        passes = loop.find_batchable_model_passes(session, types.RequestType.FORWARD_BACKWARD)
+        loop.find_batchable_model_passes(session, types.RequestType.FORWARD)
+        singles = loop.find_single_requests(session)
+    return passes, singles
 
 
 def gaps_still_open() -> dict[str, bool]:
@@ -1979,6 +2110,7 @@ def gaps_still_open() -> dict[str, bool]:
         "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
         "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
             in inspect.getsource(GeneratorMixin.generate),
+        "queue_read_without_snapshot": optim_step_read_before_its_forward_backward(skyrls_queue_reads),
         "model_passes_hold_the_whole_batchs_logits": JaxBackendConfig.model_fields["train_micro_batch_size"].default
             == 0 and "jax.checkpoint" not in inspect.getsource(LogitsProcessorMixin._compute_chunked_logprobs).split(
                 "if self.get_model_config().gradient_checkpointing")[0],

@@ -624,13 +624,15 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "training_steps_update_every_adapter_slot": True, "loss_chunks_pad_small_batches": True,
         "engine_loop_sleeps_between_polls": True, "future_poller_sleeps_between_queries": True,
         "sqlite_fsync_every_commit": True, "sampler_compiles_per_batch_size_and_length": True,
-        "model_passes_hold_the_whole_batchs_logits": True,
+        "model_passes_hold_the_whole_batchs_logits": True, "queue_read_without_snapshot": True,
     }
 
 
 @pytest.mark.e2e
 def test_shims_apply_to_the_installed_versions(installed):
-    """`check` applies every shim and fails loudly on another skyrl or tinker version."""
+    """`check` applies every shim and fails loudly on another skyrl or tinker version. It also replays the race
+    behind `queue_read_without_snapshot`: a forward_backward and its optim_step commit between the engine loop's
+    first query and its last; the loop must not be handed the optim_step without the forward_backward."""
     venv, _ = installed
     done = subprocess.run([str(tinker_local.venv_python(venv)), str(SERVER), "check"],
                           capture_output=True, text=True, timeout=300)
