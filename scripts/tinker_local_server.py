@@ -59,6 +59,8 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
                                  (4 x 32 tokens ran the LM head over 1,024 rows) none known
      sampler_compiles_per_batch_size_and_length  sampling pads rows and new tokens to
                                  shape buckets: fewer compiles, same tokens     none known
+     sampler_draws_noise_per_vocabulary_entry  tokens are drawn by inverse CDF in blocks of 512,
+                                 not Gumbel noise over all 151,936 entries: same distribution none known
      engine_loop_sleeps_between_polls  the engine waits on a UDP wake-up from the API
                                  process, not a 100 ms sleep                    none known
      future_poller_sleeps_between_queries  the API's future poller wakes when the engine
@@ -2110,6 +2112,8 @@ def gaps_still_open() -> dict[str, bool]:
         "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
         "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
             in inspect.getsource(GeneratorMixin.generate),
+        "sampler_draws_noise_per_vocabulary_entry": "jax.random.categorical(key, logit, axis=-1)"
+            in inspect.getsource(sys.modules[GeneratorMixin.__module__]),
         "queue_read_without_snapshot": optim_step_read_before_its_forward_backward(skyrls_queue_reads),
         "model_passes_hold_the_whole_batchs_logits": JaxBackendConfig.model_fields["train_micro_batch_size"].default
             == 0 and "jax.checkpoint" not in inspect.getsource(LogitsProcessorMixin._compute_chunked_logprobs).split(
