@@ -59,8 +59,6 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
                                  (4 x 32 tokens ran the LM head over 1,024 rows) none known
      sampler_compiles_per_batch_size_and_length  sampling pads rows and new tokens to
                                  shape buckets: fewer compiles, same tokens     none known
-     sampler_draws_noise_per_vocabulary_entry  tokens are drawn by inverse CDF in blocks of 512,
-                                 not Gumbel noise over all 151,936 entries: same distribution none known
      engine_loop_sleeps_between_polls  the engine waits on a UDP wake-up from the API
                                  process, not a 100 ms sleep                    none known
      future_poller_sleeps_between_queries  the API's future poller wakes when the engine
@@ -482,7 +480,6 @@ def apply_engine_shims() -> None:
         shim_slot_local_training(jax_backend)
         shim_unpadded_loss_chunks()
         shim_sampling_shape_buckets()
-        shim_sampling_noise()
         shim_sqlite_commits(engine)
         shim_wakeups_engine(engine)
     shim_long_sequence_remat()
@@ -1460,60 +1457,6 @@ def shim_sampling_shape_buckets() -> None:
     generator.GeneratorMixin._prefill_and_decode = staticmethod(prefill_and_decode_in_buckets)
 
 
-def categorical_by_blocks(key, logits, axis=-1, shape=None, replace=True, block=512):
-    """One draw from softmax(logits) (a 1-d row; skyrl's sampler vmaps over rows) by inverse CDF in two levels:
-    a block of `block` entries by its share of the mass, then an entry within it. Two uniforms per draw where
-    jax.random.categorical draws Gumbel noise for every entry (151,936 per token for Qwen3's vocabulary).
-    Entries with logit -inf (top-k / top-p filtered) are never drawn."""
-    import jax
-    import jax.numpy as jnp
-    assert logits.ndim == 1 and axis in (-1, 0) and shape is None and replace, "categorical_by_blocks: one row, one draw"
-    n = logits.shape[0]
-    padded = jnp.pad(logits, (0, -n % block), constant_values=-jnp.inf)
-    mass = jnp.exp(padded - jnp.max(logits)).reshape(-1, block)
-
-    def pick(k, weights):
-        """First index whose running sum exceeds u * total; the last nonzero one if rounding overshoots."""
-        running = jnp.cumsum(weights)
-        i = jnp.searchsorted(running, jax.random.uniform(k, dtype=running.dtype) * running[-1], side="right")
-        last = weights.shape[0] - 1 - jnp.argmax(weights[::-1] > 0)
-        return jnp.where(i >= weights.shape[0], last, i)
-
-    k_block, k_entry = jax.random.split(key)
-    b = pick(k_block, mass.sum(axis=1))
-    return (b * block + pick(k_entry, mass[b])).astype(jnp.int32)
-
-
-def shim_sampling_noise() -> None:
-    """F. sampling noise: skyrl samples each token with jax.random.categorical, which draws Gumbel noise for
-    every vocabulary entry: 151,936 per row per token, 16 ms per 4 rows here against ~1 ms for the rest of
-    the step, most of a sample call's time. Draw by inverse CDF in blocks instead (categorical_by_blocks):
-    the same distribution (softmax of the filtered, temperature-scaled logits), two uniforms per token.
-    A seed still fixes a row's tokens; they are other tokens than unpatched skyrl's for that seed.
-    Greedy (temperature 0) is unchanged."""
-    import types as pytypes
-
-    import jax
-    from skyrl.tx.utils import generator
-
-    assert generator.jax is jax and "jax.random.categorical(key, logit, axis=-1)" in inspect.getsource(generator), \
-        "skyrl's sampler changed: re-check the sampling noise shim"
-
-    class RandomWithBlocks(pytypes.ModuleType):
-        categorical = staticmethod(categorical_by_blocks)
-
-        def __getattr__(self, name):
-            return getattr(jax.random, name)
-
-    class JaxForTheSampler(pytypes.ModuleType):  # only the generator module's name `jax` sees it
-        random = RandomWithBlocks("jax.random")
-
-        def __getattr__(self, name):
-            return getattr(jax, name)
-
-    generator.jax = JaxForTheSampler("jax")
-
-
 def shim_sqlite_commits(module) -> None:
     """F. database commits: skyrl's SQLite runs in WAL mode with synchronous=FULL, an fsync per
     commit (~1 ms here; 4-6 commits a step). synchronous=NORMAL keeps WAL's atomicity and survives a
@@ -2032,13 +1975,6 @@ def check_shims() -> int:
     assert not optim_step_read_before_its_forward_backward(
         lambda loop: (lambda q: (q[0], q[3]))(TinkerEngine.read_queue(loop, sampling=False))), \
         "the engine loop read an optim_step without the forward_backward sent before it"
-    import jax
-    import jax.numpy as jnp
-    logits = jnp.array([0.5, -1.0, 2.0, -jnp.inf, 0.0, 1.0, -jnp.inf, -0.5, 1.5, -2.0])  # blocks of 4: 3, one padded
-    draws = jax.vmap(lambda k: categorical_by_blocks(k, logits, block=4))(jax.random.split(jax.random.PRNGKey(0), 200_000))
-    share = jnp.bincount(draws, length=12) / draws.shape[0]
-    gap = float(jnp.max(jnp.abs(share[:10] - jax.nn.softmax(logits))))
-    assert gap < 0.005 and float(share[3] + share[6] + share[10:].sum()) == 0.0, (gap, share)
     print("shims ok: skyrl 0.4.0, tinker 0.38.0")
     return 0
 
@@ -2112,8 +2048,6 @@ def gaps_still_open() -> dict[str, bool]:
         "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
         "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
             in inspect.getsource(GeneratorMixin.generate),
-        "sampler_draws_noise_per_vocabulary_entry": "jax.random.categorical(key, logit, axis=-1)"
-            in inspect.getsource(sys.modules[GeneratorMixin.__module__]),
         "queue_read_without_snapshot": optim_step_read_before_its_forward_backward(skyrls_queue_reads),
         "model_passes_hold_the_whole_batchs_logits": JaxBackendConfig.model_fields["train_micro_batch_size"].default
             == 0 and "jax.checkpoint" not in inspect.getsource(LogitsProcessorMixin._compute_chunked_logprobs).split(

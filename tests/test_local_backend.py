@@ -625,7 +625,6 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "engine_loop_sleeps_between_polls": True, "future_poller_sleeps_between_queries": True,
         "sqlite_fsync_every_commit": True, "sampler_compiles_per_batch_size_and_length": True,
         "model_passes_hold_the_whole_batchs_logits": True, "queue_read_without_snapshot": True,
-        "sampler_draws_noise_per_vocabulary_entry": True,
     }
 
 
