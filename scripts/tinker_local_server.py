@@ -60,7 +60,7 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      sampler_compiles_per_batch_size_and_length  sampling pads rows and new tokens to
                                  shape buckets: fewer compiles, same tokens     none known
      engine_loop_sleeps_between_polls  the engine waits on a UDP wake-up from the API
-                                 process, not a 100 ms sleep                    none known
+                                 process (at most 1 s when idle), not a 100 ms sleep  none known
      future_poller_sleeps_between_queries  the API's future poller wakes when the engine
                                  completes futures, not only every 50 ms        none known
      sqlite_fsync_every_commit   SQLite synchronous=NORMAL (WAL): no fsync per commit  none known
@@ -1487,8 +1487,9 @@ def shim_wakeups_api(api) -> None:
     """F. queueing: a request waited for skyrl's engine loop to wake from its 100 ms sleep (50 ms on
     average) and its result for the API's 50 ms future poll (25 ms on average), twice per training
     step. Here the API process tells the engine over a loopback UDP socket when a POST may have
-    queued work, and the engine tells the API when it completed futures; both loops keep their
-    intervals as a fallback, so a lost datagram only costs the old wait."""
+    queued work, and the engine tells the API when it completed futures; the API keeps its 50 ms poll
+    and an idle engine reads its queue every IDLE_WAIT_S as a fallback, so a lost datagram costs at
+    most that wait."""
     import asyncio
     import socket
     import types as pytypes
