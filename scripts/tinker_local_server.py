@@ -1930,9 +1930,10 @@ def apply_engine_probes(engine) -> None:
 
 
 def optim_step_read_before_its_forward_backward(read) -> bool:
-    """Whether `read(engine)` -> (forward_backwards, singles) hands the loop an optim_step without the
-    forward_backward sent before it, when both commit between the loop's first query and its last (as the
-    API process commits while the engine reads). A temporary SQLite queue in WAL mode, as skyrl's."""
+    """Whether `read(engine)` -> (forward_backwards, forwards, samples, singles), read_queue's shape, hands the
+    loop an optim_step without the forward_backward sent before it, when both commit between the loop's first
+    query and its last (as the API process commits while the engine reads). A temporary SQLite queue in WAL
+    mode, as skyrl's."""
     import tempfile
 
     from skyrl.tinker import types
@@ -1959,7 +1960,7 @@ def optim_step_read_before_its_forward_backward(read) -> bool:
 
         loop.find_batchable_model_passes = then_the_api_commits.__get__(loop)
         try:
-            passes, singles = read(loop)
+            passes, _, _, singles = read(loop)
         finally:
             db.dispose()
         kinds = [kind for _, kind, _ in singles.values()]
@@ -1981,22 +1982,23 @@ def check_shims() -> int:
     assert "/api/v1/sessions/{session_id}/finish" in paths
     assert "/oai/api/v1/chat/completions" in paths
     from skyrl.tinker.engine import TinkerEngine
-    assert not optim_step_read_before_its_forward_backward(
-        lambda loop: (lambda q: (q[0], q[3]))(TinkerEngine.read_queue(loop, sampling=False))), \
+    ours = lambda loop: TinkerEngine.read_queue(loop, sampling=False)  # noqa: E731
+    assert not optim_step_read_before_its_forward_backward(ours), \
         "the engine loop read an optim_step without the forward_backward sent before it"
     print("shims ok: skyrl 0.4.0, tinker 0.38.0")
     return 0
 
 
 def skyrls_queue_reads(loop):
-    """skyrl 0.4.0's process_pending_requests_once reads its queue so (the lines, with sampling left out)."""
+    """skyrl 0.4.0's process_pending_requests_once reads its queue so (its lines, sampling left out), in
+    read_queue's shape."""
     from skyrl.tinker import types
     from sqlmodel import Session
     with Session(loop.db_engine) as session:
         passes = loop.find_batchable_model_passes(session, types.RequestType.FORWARD_BACKWARD)
-        loop.find_batchable_model_passes(session, types.RequestType.FORWARD)
+        forwards = loop.find_batchable_model_passes(session, types.RequestType.FORWARD)
         singles = loop.find_single_requests(session)
-    return passes, singles
+    return passes, forwards, {}, singles
 
 
 def gaps_still_open() -> dict[str, bool]:
