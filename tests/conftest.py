@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+import forked_scripts
 from fixtures_local import *  # noqa: F401,F403
 from fixtures_local import common_module
 from fixtures_tokenizers import *  # noqa: F401,F403
@@ -21,8 +22,16 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, 4, int(memory_gib // WORKER_MEMORY_GIB)))
 
 
+def pytest_configure(config):
+    """`subprocess.run([sys.executable, SCRIPT, ...])` forks from a warm interpreter in this test process
+    (tests/forked_scripts.py: the same process contract, without 2.7 s of imports per run;
+    TINKER_TEST_FORK_SCRIPTS=0 turns it off). The xdist controller runs no test and starts no zygote."""
+    forked_scripts.install()
+
+
 def pytest_sessionfinish(session, exitstatus):
     _EXIT_STATUS.append(int(exitstatus))
+    forked_scripts.uninstall()
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,0 +1,404 @@
+"""`subprocess.run([sys.executable, SCRIPT_OR_-c, ...])` from a warm interpreter: test infrastructure only.
+
+Why: a training script's 2-step run on the local backend used 3.3 s of CPU, 2.7 s of it importing the SDK (which
+imports torch) and transformers before any work (measured 5 December 2026). The suite runs a few hundred such
+processes. Here a "zygote" process imports those packages once and forks a child for every run; the child is the
+script's process: its own pid, the argv, environment, working directory, stdin/stdout/stderr and exit status
+that `subprocess.run` would have given it, and the script's file executed fresh as `__main__` (`runpy`), with
+sys.path[0] its folder, as `python SCRIPT` sets it. Only the import of third-party packages is shared; nothing
+of this repository is imported by the zygote, so every run executes the current files.
+
+What is forked (tests/conftest.py patches `subprocess.run` for the test session): `[sys.executable, X.py, ...]`
+and `[sys.executable, "-c", CODE, ...]` with only these keywords: capture_output, stdout, stderr (PIPE, DEVNULL,
+STDOUT, None), stdin (DEVNULL, None), input, text / universal_newlines, encoding, errors, env, cwd, timeout,
+check. Anything else (another interpreter, `-m`, preexec_fn, start_new_session, Popen) runs as before, so tests
+that kill, signal or time a process get a real one. Packages that read their environment when imported
+(HF_*, TRANSFORMERS_*, TINKER_LOG, PYTHON*, locale, thread counts) get one zygote per distinct set of those
+values (at most MAX_ZYGOTES per pytest process; beyond that, a normal subprocess).
+
+A fresh interpreter's per-process state is re-made in the child: `random` and numpy's global generator are
+reseeded from the OS, SIGINT raises KeyboardInterrupt, sys.stdin/stdout/stderr are new objects over fds 0-2
+with the buffering CPython gives (PYTHONUNBUFFERED honoured). An uncaught exception prints its traceback and
+exits 1, an uncaught KeyboardInterrupt ends the process by SIGINT, as CPython does.
+
+Off: TINKER_TEST_FORK_SCRIPTS=0. Measured: see references/setup.md, "The test suite".
+"""
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# Imported once by the zygote: what the scripts import before their work (tinker imports torch).
+PRELOAD = ("numpy", "tinker", "transformers", "jinja2", "rich.console", "rich.progress", "rich.table", "httpx")
+PRELOAD_ATTRS = (("transformers", "AutoTokenizer"), ("transformers", "PreTrainedTokenizerFast"))
+IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "MKL_", "OPENBLAS_",
+                   "PYTHON", "LANG", "LC_", "TINKER_LOG", "NUMPY_", "NPY_")
+MAX_ZYGOTES = 4
+ALLOWED = {"capture_output", "stdout", "stderr", "stdin", "input", "text", "universal_newlines", "encoding",
+           "errors", "env", "cwd", "timeout", "check"}
+
+
+# ---------------------------------------------------------------- the zygote (a process of its own)
+
+def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    data = b""
+    while not data.endswith(b"\n"):
+        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
+        if not msg:
+            raise EOFError
+        data += msg
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return json.loads(data), list(fds)
+
+
+def _fresh_stdio(env: dict) -> None:
+    """New sys.stdin/stdout/stderr over fds 0-2, buffered as CPython buffers them at start-up."""
+    import io
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    encoding = env.get("PYTHONIOENCODING", "").split(":")[0] or "utf-8"
+
+    def stream(fd, mode, errors, line):
+        raw = io.FileIO(fd, mode[0], closefd=False)
+        if mode == "rb":
+            return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding, errors=errors)
+        return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=encoding, errors=errors,
+                                line_buffering=line, write_through=unbuffered)
+
+    sys.stdin = sys.__stdin__ = stream(0, "rb", "strict", False)
+    sys.stdout = sys.__stdout__ = stream(1, "wb", "strict", os.isatty(1))
+    sys.stderr = sys.__stderr__ = stream(2, "wb", "backslashreplace", True)
+
+
+def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: tuple[int, int]) -> None:
+    """In the forked child: become the script's process, run it, exit as `python SCRIPT` would."""
+    signal.set_wakeup_fd(-1)
+    listener.close()
+    for c in conns:
+        c.close()
+    for fd in wake:
+        os.close(fd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _fresh_stdio(request["env"])
+    import random
+    random.seed()
+    with contextlib.suppress(Exception):
+        import numpy
+        numpy.random.seed()
+    argv = request["argv"]
+    import runpy
+    import types
+    code = 0
+    try:
+        try:
+            if argv[0] == "-c":
+                sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+                main = types.ModuleType("__main__")
+                main.__dict__["__builtins__"] = __builtins__
+                sys.modules["__main__"] = main
+                exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+            else:
+                script = argv[0]
+                sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(script))
+                runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+    except KeyboardInterrupt as exc:
+        _print_exception(exc, argv)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException as exc:  # noqa: BLE001 - what the interpreter does with any uncaught exception
+        _print_exception(exc, argv)
+        code = 1
+    _exit(code)
+
+
+def _exit(code) -> None:
+    """The interpreter's shutdown up to module teardown: non-daemon threads joined, atexit handlers run, streams
+    flushed; then the exit status (the teardown of the zygote's preloaded modules is skipped: ~0.5 s)."""
+    import atexit
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    with contextlib.suppress(BaseException):
+        threading._shutdown()
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    os._exit(code & 0xFF)
+
+
+def _print_exception(exc: BaseException, argv: list[str]) -> None:
+    """The traceback from the script's own frames on (runpy's and this module's are not in a real run's)."""
+    tb = exc.__traceback__
+    first = "<string>" if argv[0] == "-c" else os.path.abspath(argv[0])
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != first \
+            and tb.tb_frame.f_code.co_filename != first:
+        tb = tb.tb_next
+    tb = tb or exc.__traceback__
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+
+
+def serve(path: str) -> None:
+    """The zygote: import PRELOAD, then fork one child per request on the unix socket at `path`."""
+    import importlib
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for module, attr in PRELOAD_ATTRS:
+        getattr(sys.modules[module], attr)
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop: a finished child is reported at once
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    print("ready", flush=True)
+    running: dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([listener, wake_r, *running.values()], [], [], 1.0)
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+            readable.remove(wake_r)
+        if os.getppid() != parent:  # the pytest process is gone
+            for pid in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        for sock in readable:
+            if sock is listener:
+                conn, _ = listener.accept()
+                try:
+                    request, fds = _recv_request(conn)
+                except (EOFError, ValueError, OSError):
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    _child(request, fds, listener, [conn, *running.values()], (wake_r, wake_w))
+                for fd in set(fds):
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                running[pid] = conn
+            else:  # the requester hung up early: its child dies with it
+                pid = next(p for p, c in running.items() if c is sock)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        while running:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = running.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                conn.close()
+
+
+# ---------------------------------------------------------------- the pytest side
+
+class _Zygote:
+    def __init__(self, env: dict):
+        self.dir = tempfile.mkdtemp(prefix="forked-scripts-")
+        self.path = os.path.join(self.dir, "zygote.sock")
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve", self.path], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the script zygote did not start (exit {self.proc.wait()})")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+            os.rmdir(self.dir)
+
+
+_zygotes: dict[tuple, _Zygote] = {}
+_lock = threading.Lock()
+
+
+def _zygote_for(env: dict) -> _Zygote | None:
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)))
+    with _lock:
+        zygote = _zygotes.get(key)
+        if zygote is not None and zygote.alive():
+            return zygote
+        if zygote is None and len(_zygotes) >= MAX_ZYGOTES:
+            return None
+        _zygotes[key] = zygote = _Zygote(env)
+        return zygote
+
+
+def close_all() -> None:
+    with _lock:
+        for zygote in _zygotes.values():
+            zygote.close()
+        _zygotes.clear()
+
+
+def _eligible(args, kwargs) -> bool:
+    if not isinstance(args, (list, tuple)) or len(args) < 2 or set(kwargs) - ALLOWED:
+        return False
+    if str(args[0]) != sys.executable:
+        return False
+    first = str(args[1])
+    if first == "-c":
+        return len(args) >= 3
+    if first.startswith("-") or not first.endswith(".py"):
+        return False
+    if kwargs.get("stdin") not in (None, subprocess.DEVNULL) or (kwargs.get("input") is not None and "stdin" in kwargs):
+        return False
+    for name in ("stdout", "stderr"):
+        if kwargs.get(name) not in (None, subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT):
+            return False
+    return kwargs.get("stdout") != subprocess.STDOUT
+
+
+def _decode(data: bytes, text: bool, encoding, errors):
+    if not text:
+        return data
+    return data.decode(encoding or "utf-8", errors or "strict").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def run(args, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run's contract for an eligible call (see the module's docstring), from a forked child."""
+    argv = [str(a) for a in args]
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    zygote = _zygote_for(env)
+    if zygote is None:
+        return ORIGINAL_RUN(args, **kwargs)
+    capture = kwargs.get("capture_output", False)
+    out_mode = subprocess.PIPE if capture else kwargs.get("stdout")
+    err_mode = subprocess.PIPE if capture else kwargs.get("stderr")
+    text = bool(kwargs.get("text") or kwargs.get("universal_newlines") or kwargs.get("encoding")
+                or kwargs.get("errors"))
+    opened = []
+
+    def fd_for(mode, default_fd, stdin=False):
+        if mode == subprocess.PIPE:
+            f = tempfile.TemporaryFile()
+            opened.append(f)
+            return f.fileno(), f
+        if mode == subprocess.DEVNULL:
+            f = open(os.devnull, "rb" if stdin else "wb")
+            opened.append(f)
+            return f.fileno(), None
+        return default_fd, None
+
+    try:
+        given = kwargs.get("input")
+        if given is not None:
+            stdin_file = tempfile.TemporaryFile()
+            opened.append(stdin_file)
+            stdin_file.write(given.encode(kwargs.get("encoding") or "utf-8") if isinstance(given, str) else given)
+            stdin_file.seek(0)
+            in_fd = stdin_file.fileno()
+        else:
+            in_fd, _ = fd_for(subprocess.DEVNULL, 0, stdin=True)
+        out_fd, out_file = fd_for(out_mode, 1)
+        if err_mode == subprocess.STDOUT:
+            err_fd, err_file = out_fd, None
+        else:
+            err_fd, err_file = fd_for(err_mode, 2)
+        request = {"argv": argv[1:], "env": env, "cwd": str(kwargs.get("cwd") or os.getcwd())}
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(zygote.path)
+            conn.sendmsg([json.dumps(request).encode() + b"\n"],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [in_fd, out_fd, err_fd]))])
+            reader = conn.makefile("r")
+            pid = json.loads(reader.readline())["pid"]
+            timeout = kwargs.get("timeout")
+            conn.settimeout(timeout)
+            try:
+                line = reader.readline()
+            except (TimeoutError, socket.timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                conn.settimeout(None)
+                with contextlib.suppress(Exception):
+                    reader.readline()
+                raise subprocess.TimeoutExpired(args, timeout, output=_read(out_file), stderr=_read(err_file)) from None
+            returncode = json.loads(line)["returncode"]
+        finally:
+            conn.close()
+        stdout = _decode(_read(out_file) or b"", text, kwargs.get("encoding"), kwargs.get("errors")) if out_file else None
+        stderr = _decode(_read(err_file) or b"", text, kwargs.get("encoding"), kwargs.get("errors")) if err_file else None
+    finally:
+        for f in opened:
+            f.close()
+    done = subprocess.CompletedProcess(args, returncode, stdout, stderr)
+    if kwargs.get("check"):
+        done.check_returncode()
+    return done
+
+
+def _read(f) -> bytes | None:
+    if f is None:
+        return None
+    f.seek(0)
+    return f.read() or None
+
+
+ORIGINAL_RUN = subprocess.run
+
+
+def patched_run(*args, **kwargs):
+    """subprocess.run, forking eligible calls from a zygote."""
+    call = args[0] if args else kwargs.get("args")
+    rest = {k: v for k, v in kwargs.items() if k != "args"}
+    if len(args) <= 1 and _eligible(call, rest):
+        return run(call, **rest)
+    return ORIGINAL_RUN(*args, **kwargs)
+
+
+def install() -> bool:
+    """Patch subprocess.run for this process (tests/conftest.py); False when TINKER_TEST_FORK_SCRIPTS=0."""
+    if os.environ.get("TINKER_TEST_FORK_SCRIPTS", "1") == "0" or not hasattr(socket, "SCM_RIGHTS"):
+        return False
+    subprocess.run = patched_run
+    return True
+
+
+def uninstall() -> None:
+    subprocess.run = ORIGINAL_RUN
+    close_all()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    serve(sys.argv[2])
