@@ -12,7 +12,8 @@ What is forked (tests/conftest.py patches `subprocess.run` for the test session)
 and `[sys.executable, "-c", CODE, ...]` with only these keywords: capture_output, stdout, stderr (PIPE, DEVNULL,
 STDOUT, None), stdin (DEVNULL, None), input, text / universal_newlines, encoding, errors, env, cwd, timeout,
 check. Anything else (another interpreter, `-m`, preexec_fn, start_new_session, Popen) runs as before, so tests
-that kill, signal or time a process get a real one. Packages that read their environment when imported
+that kill, signal or time a process get a real one; a test that inspects the interpreter itself (which modules
+a script imports) passes `close_fds=True` (subprocess's default) to get a fresh one. Packages that read their environment when imported
 (HF_*, TRANSFORMERS_*, TINKER_LOG, PYTHON*, locale, thread counts) get one zygote per distinct set of those
 values (at most MAX_ZYGOTES per pytest process; beyond that, a normal subprocess).
 

@@ -323,8 +323,9 @@ def test_sft_data_count_names_the_bad_line(tmp_path):
 def test_import_is_stdlib_only():
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import tinker_pricing; "
             "print(sorted(m for m in ('rich', 'httpx', 'tinker', 'transformers') if m in sys.modules))")
+    # close_fds: a fresh interpreter (tests/forked_scripts.py forks plain calls from one that preloaded the SDK)
     out = subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, close_fds=True).stdout
     assert out.strip() == "[]"
 
 
