@@ -15,7 +15,8 @@ check. Anything else (another interpreter, `-m`, preexec_fn, start_new_session, 
 that kill, signal or time a process get a real one; a test that inspects the interpreter itself (which modules
 a script imports) passes `close_fds=True` (subprocess's default) to get a fresh one. Packages that read their environment when imported
 (HF_*, TRANSFORMERS_*, TINKER_LOG, PYTHON*, locale, thread counts) get one zygote per distinct set of those
-values (at most MAX_ZYGOTES per pytest process; beyond that, a normal subprocess).
+values, started the second time such a set is used (the first run is a real process); at most MAX_ZYGOTES
+live per pytest process, the least recently used is stopped.
 
 A fresh interpreter's per-process state is re-made in the child: `random` and numpy's global generator are
 reseeded from the OS, SIGINT raises KeyboardInterrupt, sys.stdin/stdout/stderr are new objects over fds 0-2
@@ -43,8 +44,9 @@ from pathlib import Path
 PRELOAD = ("numpy", "tinker", "transformers", "jinja2", "rich.console", "rich.progress", "rich.table", "httpx")
 PRELOAD_ATTRS = (("transformers", "AutoTokenizer"), ("transformers", "PreTrainedTokenizerFast"))
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "MKL_", "OPENBLAS_",
-                   "PYTHON", "LANG", "LC_", "TINKER_LOG", "NUMPY_", "NPY_")
-MAX_ZYGOTES = 4
+                   "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONNOUSERSITE", "PYTHONSAFEPATH",
+                   "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONOPTIMIZE", "LANG", "LC_", "TINKER_LOG", "NUMPY_", "NPY_")
+MAX_ZYGOTES = 4  # alive at once per pytest process (~0.4 GB each); the least recently used one is stopped
 ALLOWED = {"capture_output", "stdout", "stderr", "stdin", "input", "text", "universal_newlines", "encoding",
            "errors", "env", "cwd", "timeout", "check"}
 
@@ -249,19 +251,28 @@ class _Zygote:
             os.rmdir(self.dir)
 
 
-_zygotes: dict[tuple, _Zygote] = {}
+_zygotes: dict[tuple, _Zygote] = {}  # in order of last use
+_seen: set[tuple] = set()
 _lock = threading.Lock()
+STATS = {"forked": 0, "real": 0, "zygotes_started": 0}  # eligible calls; TINKER_TEST_FORK_SCRIPTS_STATS=FILE logs them
 
 
-def _zygote_for(env: dict) -> _Zygote | None:
+def _zygote_for(env: dict, start: bool = False) -> _Zygote | None:
+    """The zygote for env's import-time variables; None (a real process) the first time a set is seen, since a
+    zygote's start costs what one real run does and some tests use a set of their own once (a fresh HF_HOME)."""
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)))
     with _lock:
-        zygote = _zygotes.get(key)
+        zygote = _zygotes.pop(key, None)
         if zygote is not None and zygote.alive():
+            _zygotes[key] = zygote
             return zygote
-        if zygote is None and len(_zygotes) >= MAX_ZYGOTES:
+        if key not in _seen and not start:
+            _seen.add(key)
             return None
+        while len(_zygotes) >= MAX_ZYGOTES:
+            _zygotes.pop(next(iter(_zygotes))).close()
         _zygotes[key] = zygote = _Zygote(env)
+        STATS["zygotes_started"] += 1
         return zygote
 
 
@@ -270,6 +281,7 @@ def close_all() -> None:
         for zygote in _zygotes.values():
             zygote.close()
         _zygotes.clear()
+        _seen.clear()
 
 
 def _eligible(args, kwargs) -> bool:
@@ -296,11 +308,13 @@ def _decode(data: bytes, text: bool, encoding, errors):
     return data.decode(encoding or "utf-8", errors or "strict").replace("\r\n", "\n").replace("\r", "\n")
 
 
-def run(args, **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run's contract for an eligible call (see the module's docstring), from a forked child."""
+def run(args, start_zygote: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run's contract for an eligible call (see the module's docstring), from a forked child; the
+    result's `forked` says whether it was (start_zygote: fork even on an environment's first use)."""
     argv = [str(a) for a in args]
     env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-    zygote = _zygote_for(env)
+    zygote = _zygote_for(env, start_zygote)
+    STATS["real" if zygote is None else "forked"] += 1
     if zygote is None:
         return ORIGINAL_RUN(args, **kwargs)
     capture = kwargs.get("capture_output", False)
@@ -364,6 +378,7 @@ def run(args, **kwargs) -> subprocess.CompletedProcess:
         for f in opened:
             f.close()
     done = subprocess.CompletedProcess(args, returncode, stdout, stderr)
+    done.forked = True
     if kwargs.get("check"):
         done.check_returncode()
     return done
@@ -399,6 +414,9 @@ def install() -> bool:
 def uninstall() -> None:
     subprocess.run = ORIGINAL_RUN
     close_all()
+    if os.environ.get("TINKER_TEST_FORK_SCRIPTS_STATS"):
+        with open(os.environ["TINKER_TEST_FORK_SCRIPTS_STATS"], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), **STATS}) + "\n")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
