@@ -25,7 +25,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time

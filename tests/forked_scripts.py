@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from pathlib import Path
 
 # Imported once by the zygote: what the scripts import before their work (tinker imports torch).
 PRELOAD = ("numpy", "tinker", "transformers", "jinja2", "rich.console", "rich.progress", "rich.table", "httpx")
