@@ -24,7 +24,7 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_configure(config):
     """`subprocess.run([sys.executable, SCRIPT, ...])` forks from a warm interpreter in this test process
-    (tests/forked_scripts.py: the same process contract, without 2.7 s of imports per run;
+    (tests/forked_scripts.py: the same process contract, without ~2.7 s of imports per run;
     TINKER_TEST_FORK_SCRIPTS=0 turns it off). The xdist controller runs no test and starts no zygote."""
     forked_scripts.install()
 
