@@ -289,9 +289,7 @@ def _eligible(args, kwargs) -> bool:
     if str(args[0]) != sys.executable:
         return False
     first = str(args[1])
-    if first == "-c":
-        return len(args) >= 3
-    if first.startswith("-") or not first.endswith(".py"):
+    if first == "-c" and len(args) < 3 or first != "-c" and (first.startswith("-") or not first.endswith(".py")):
         return False
     if kwargs.get("stdin") not in (None, subprocess.DEVNULL) or (kwargs.get("input") is not None and "stdin" in kwargs):
         return False
@@ -367,12 +365,14 @@ def run(args, start_zygote: bool = False, **kwargs) -> subprocess.CompletedProce
                 conn.settimeout(None)
                 with contextlib.suppress(Exception):
                     reader.readline()
-                raise subprocess.TimeoutExpired(args, timeout, output=_read(out_file), stderr=_read(err_file)) from None
+                # as subprocess.run's: the bytes written so far, None when nothing was
+                raise subprocess.TimeoutExpired(args, timeout, output=_read(out_file) or None,
+                                                stderr=_read(err_file) or None) from None
             returncode = json.loads(line)["returncode"]
         finally:
             conn.close()
-        stdout = _decode(_read(out_file) or b"", text, kwargs.get("encoding"), kwargs.get("errors")) if out_file else None
-        stderr = _decode(_read(err_file) or b"", text, kwargs.get("encoding"), kwargs.get("errors")) if err_file else None
+        stdout = _decode(_read(out_file), text, kwargs.get("encoding"), kwargs.get("errors")) if out_file else None
+        stderr = _decode(_read(err_file), text, kwargs.get("encoding"), kwargs.get("errors")) if err_file else None
     finally:
         for f in opened:
             f.close()
@@ -383,11 +383,11 @@ def run(args, start_zygote: bool = False, **kwargs) -> subprocess.CompletedProce
     return done
 
 
-def _read(f) -> bytes | None:
+def _read(f) -> bytes:
     if f is None:
-        return None
+        return b""
     f.seek(0)
-    return f.read() or None
+    return f.read()
 
 
 ORIGINAL_RUN = subprocess.run

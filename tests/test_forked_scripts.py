@@ -85,6 +85,9 @@ def test_only_plain_calls_of_this_interpreter_are_forked():
     assert not forked_scripts._eligible([PY, "script.py"], {**plain, "start_new_session": True})
     assert not forked_scripts._eligible([PY, "script.py"], {**plain, "preexec_fn": print})
     assert not forked_scripts._eligible(f"{PY} script.py", plain)  # a shell string
+    with open(os.devnull, "w") as sink:  # output into a file object of the caller's: a real process
+        assert not forked_scripts._eligible([PY, "-c", "pass"], {"stdout": sink})
+        assert not forked_scripts._eligible([PY, "script.py"], {"stderr": sink})
 
 
 def test_the_session_runs_eligible_calls_forked():
