@@ -22,6 +22,16 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, 4, int(memory_gib // WORKER_MEMORY_GIB)))
 
 
+# Modules run first, longest first: worksteal hands each worker a contiguous share and an idle worker takes the
+# tail of another's, so a long test started late stretches the end of the run while the other worker waits.
+FIRST = ("test_faults_e2e.py", "test_journey_e2e.py", "test_rl_agentic_e2e.py", "test_distill_e2e.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
+
+
 def pytest_configure(config):
     """`subprocess.run([sys.executable, SCRIPT, ...])` forks from a warm interpreter in this test process
     (tests/forked_scripts.py: the same process contract, without ~2.7 s of imports per run;

@@ -12,17 +12,23 @@ through tests/fault_proxy.py and checks, against an uninterrupted run of the sam
 - the cost rows add up (each cumulative = the previous + this step) to the uninterrupted run's total;
 - no traceback on stderr, and the API key in no file the run wrote.
 
-One local server for the module (its own, since cases kill and restart it on the same --run-dir). Waits
-are for events (a request seen by the proxy, a process ending), never for wall-clock time.
+Local servers of the module's own: the death and restart cases kill a server and start it again on the same
+--run-dir (two such servers, a case at a time on each); the other cases share a server never killed, three
+at a time. Cases run ahead of their tests (`Ahead`), so one case's waits (SDK timeouts, back-offs, restarts)
+overlap another's work. Waits are for events (a request seen by
+the proxy, a process ending), never for wall-clock time.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,7 +54,9 @@ COMPARED = {"sft": ("loss", "loss_per_datum", "tokens"), "dpo": ("loss", "margin
 STEP_KEY = {"sft": ("step", 1), "dpo": ("step", 1), "rl": ("iteration", 0), "distill": ("iteration", 0)}
 STEPS = 2
 TIMINGS: dict[str, float] = {}
-DIFFS: dict[str, float] = {}  # largest |logprob difference| on PROBE from the uninterrupted run, per checked run
+DIFFS: dict[str, float] = {}
+SPANS: dict[str, tuple] = {}  # case folder -> (start, end) seconds since the module's servers were up
+T0 = time.monotonic()  # largest |logprob difference| on PROBE from the uninterrupted run, per checked run
 
 
 def settings(script, tokenizer, model):
@@ -68,8 +76,8 @@ def settings(script, tokenizer, model):
             str(STEPS), "--batch-size", "2", "--group-size", "2", "--max-tokens", "4", *common]
 
 
-class Mortal:
-    """The module's local backend: killed and started again on the same --run-dir by the cases."""
+class ModuleServer:
+    """A local backend of the module's own (the mortal one is killed and started again on the same --run-dir)."""
 
     def __init__(self, run_dir: Path):
         self.venv, self.home = tinker_local.resolve_venv(), tinker_local.resolve_home()
@@ -111,41 +119,110 @@ class Mortal:
         return {**env, **extra}
 
 
+def start_all(*servers) -> None:
+    """Start the servers side by side (each start is mostly one process importing and building the model)."""
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+        for done in [pool.submit(server.start) for server in servers]:
+            try:
+                done.result()
+            except tinker_local.LocalError as exc:
+                pytest.fail(f"local Tinker backend: {exc}", pytrace=False)
+
+
+class Ahead:
+    """Runs each case's test body before pytest reaches the test, on two streams, so the cases' waits overlap:
+    the SDK's 45-61 s timeouts (delay), Retry-After back-offs (429), TINKER_UNREACHABLE_S and server restarts.
+
+    - steady: the baselines, then the absorbed, delay and SIGKILL-of-the-script cases, WIDTH at a time, on a
+      server that is never killed (a run's requests go through a proxy of its own, which counts them);
+    - mortal: the death and restart cases, MORTALS at a time, each on a server of its own that it kills and
+      starts again.
+
+    A test waits for its case and re-raises whatever the body raised (its assertion, with its traceback), so
+    every case still passes or fails as its own test. Cases are submitted in the module's test order, at most
+    LOOKAHEAD not yet taken by a test: tests another xdist worker takes over cost that worker a rerun, never a
+    skipped check. Concurrent runs stay equal to the uninterrupted one: sampling is seeded per request and
+    the comparisons allow 1e-4 (a step changes a loss by > 0.1)."""
+
+    WIDTH = 3
+    MORTALS = 2
+    LOOKAHEAD = 8
+
+    def __init__(self, bodies: list):
+        self.bodies = bodies  # [(case, stream, body)] in the module's test order
+        self.pools = {"steady": concurrent.futures.ThreadPoolExecutor(self.WIDTH, thread_name_prefix="steady"),
+                      "mortal": concurrent.futures.ThreadPoolExecutor(self.MORTALS, thread_name_prefix="mortal")}
+        self.futures: dict = {}
+        self.taken: set = set()
+        self.lock = threading.Lock()
+
+    def submit(self, stream: str, key, fn, *args):
+        with self.lock:
+            if key not in self.futures:
+                self.futures[key] = self.pools[stream].submit(fn, *args)
+            return self.futures[key]
+
+    def result(self, case: Case):
+        """Wait for `case` (submitting it and the next LOOKAHEAD of each stream first) and return what its body
+        returned, or raise what it raised."""
+        with self.lock:
+            self.taken.add(case)
+        at = next(i for i, b in enumerate(self.bodies) if b[0] == case)
+        for stream in self.pools:
+            mine = [b for b in self.bodies[at:at + 1] if b[1] == stream]
+            later = [b for b in self.bodies[at + 1:] if b[1] == stream and b[0] not in self.taken]
+            for c, _, body in mine + later[:self.LOOKAHEAD]:
+                self.submit(stream, c, body, c)
+        return self.futures[case].result()
+
+    def close(self) -> None:
+        for future in self.futures.values():
+            future.cancel()
+        for pool in self.pools.values():
+            pool.shutdown(wait=True)
+
+
 @pytest.fixture(scope="module")
-def mortal(tmp_path_factory):
-    server = Mortal(tmp_path_factory.mktemp("fault-server"))
-    try:
-        server.start()
-    except tinker_local.LocalError as exc:
-        pytest.fail(f"local Tinker backend: {exc}", pytrace=False)
-    yield server
-    if server.server is not None:
-        server.server.stop()
+def servers(tmp_path_factory):
+    """(steady, mortals): local backends of the module's own; each of the Ahead.MORTALS mortal ones is killed and
+    restarted by one case at a time (taken from and put back in the `mortals` queue)."""
+    steady = ModuleServer(tmp_path_factory.mktemp("steady-server"))
+    mortal = [ModuleServer(tmp_path_factory.mktemp("fault-server")) for _ in range(Ahead.MORTALS)]
+    start_all(steady, *mortal)
+    global T0
+    T0 = time.monotonic()
+    mortals = queue.Queue()
+    for server in mortal:
+        mortals.put(server)
+    yield steady, mortals
+    for server in (steady, *mortal):
+        if server.server is not None:
+            server.server.stop()
     if TIMINGS:  # beside the module's temporary folders: script seconds per run, probe differences
         summary = {"runs": len(TIMINGS), "script_seconds": round(sum(TIMINGS.values()), 1),
-                   "load_average": os.getloadavg(), "server_starts": server.starts,
-                   "max_probe_difference": max(DIFFS.values(), default=None), "seconds": TIMINGS, "probe": DIFFS}
+                   "load_average": os.getloadavg(), "server_starts": sum(x.starts for x in (steady, *mortal)),
+                   "max_probe_difference": max(DIFFS.values(), default=None), "seconds": TIMINGS, "probe": DIFFS, "cases": SPANS}
         (tmp_path_factory.getbasetemp() / "fault-summary.json").write_text(json.dumps(summary, indent=1))
 
 
-def run(mortal, script, log, url, *extra, env_extra=None, timeout=300):
-    argv = settings(script, mortal.tokenizer, mortal.model)
+def run(server, script, log, url, *extra, env_extra=None, timeout=300):
+    argv = settings(script, server.tokenizer, server.model)
     started = time.monotonic()
     try:
         out = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--log-path", str(log), *extra],
-                             capture_output=True, text=True, env=mortal.env(url, **(env_extra or {})), timeout=timeout)
+                             capture_output=True, text=True, env=server.env(url, **(env_extra or {})), timeout=timeout)
     except subprocess.TimeoutExpired as e:  # a hang is a failure: say where it stood
         pytest.fail(f"{script} {' '.join(extra)} still running after {timeout} s; its stderr ends:\n"
-                    f"{(e.stderr or b'')[-3000:].decode(errors='replace')}\n{mortal.log_tail()}", pytrace=False)
-    TIMINGS[f"{script}:{log.name}:{' '.join(extra)}"] = time.monotonic() - started
+                    f"{(e.stderr or b'')[-3000:].decode(errors='replace')}\n{server.log_tail()}", pytrace=False)
+    TIMINGS[f"{log.parent.name}:{' '.join(extra)}"] = time.monotonic() - started
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     return out
 
 
-def probe_logprobs(mortal, sampler_path) -> list[float]:
+def probe_logprobs(server, sampler_path) -> list[float]:
     import tinker
 
-    service = tinker.ServiceClient(base_url=mortal.url, api_key=API_KEY)
+    service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
     try:
         sampler = service.create_sampling_client(model_path=sampler_path).result()
         return [x for x in sampler.compute_logprobs(tinker.ModelInput.from_ints(PROBE)).result() if x is not None]
@@ -160,39 +237,42 @@ def metrics_rows(log: Path) -> list[dict]:
     return [json.loads(line) for line in raw.decode().splitlines()]
 
 
-def record(mortal, script, log) -> dict:
+def record(server, script, log) -> dict:
     rows = metrics_rows(log)
     final = [r for r in (json.loads(x) for x in (log / "checkpoints.jsonl").read_text().splitlines())
              if r["name"] == "final"]
     assert len(final) == 1, "exactly one final checkpoint"
-    return {"rows": rows, "probe": probe_logprobs(mortal, final[0]["sampler_path"])}
+    return {"rows": rows, "probe": probe_logprobs(server, final[0]["sampler_path"])}
 
 
 @pytest.fixture(scope="module")
-def baseline(mortal, tmp_path_factory):
-    """baseline(script): the uninterrupted run's record (made once per script, through a fault-free proxy
-    that also counts each operation's requests: the points the cases name must exist)."""
-    made = {}
+def baseline(servers, tmp_path_factory):
+    """baseline(script): the uninterrupted run's record on the steady server, made once per script by its first
+    caller (other callers wait), through a fault-free proxy that also counts each operation's requests: the
+    points the cases name must exist."""
+    steady = servers[0]
+    made, locks = {}, {script: threading.Lock() for script in REQUESTS}
 
     def get(script):
-        if script not in made:
-            mortal.ensure()
-            log = tmp_path_factory.mktemp("baseline") / script
-            with FaultProxy(mortal.url) as proxy:
-                out = run(mortal, script, log, proxy.base_url)
-                assert out.returncode == 0, out.stderr[-3000:]
-                counts = {op: proxy.count(op) for op in REQUESTS[script]}
-            assert counts == REQUESTS[script], f"fault_cases.REQUESTS[{script!r}] no longer matches the run: {counts}"
-            made[script] = record(mortal, script, log)
+        with locks[script]:
+            if script not in made:
+                log = tmp_path_factory.mktemp("baseline") / script
+                with FaultProxy(steady.url) as proxy:
+                    out = run(steady, script, log, proxy.base_url)
+                    assert out.returncode == 0, out.stderr[-3000:]
+                    counts = {op: proxy.count(op) for op in REQUESTS[script]}
+                assert counts == REQUESTS[script], \
+                    f"fault_cases.REQUESTS[{script!r}] no longer matches the run: {counts}"
+                made[script] = record(steady, script, log)
         return made[script]
 
     return get
 
 
-def assert_same_run(mortal, script, log, base):
+def assert_same_run(server, script, log, base):
     """One whole row per step with the uninterrupted run's values, the cost summed once, equal final weights,
     no API key in any file written."""
-    got = record(mortal, script, log)
+    got = record(server, script, log)
     key, first = STEP_KEY[script]
     assert [r[key] for r in got["rows"]] == list(range(first, first + STEPS)), "one row per step, no gap or duplicate"
     for mine, theirs in zip(got["rows"], base["rows"]):
@@ -227,24 +307,21 @@ def case_id(case: Case) -> str:
     return f"{case.id}-{'-'.join(f'{f.op}{f.nth}' for f in case.faults)}"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.outcome in ("absorbed", "delay")], ids=case_id)
-def test_an_absorbed_fault_leaves_the_run_as_if_nothing_happened(case, mortal, baseline, tmp_path):
+def absorbed(case, steady, baseline, folder):
     base = baseline(case.script)
-    mortal.ensure()
-    log = tmp_path / case.script
-    with FaultProxy(mortal.url, case.faults) as proxy:
-        out = run(mortal, case.script, log, proxy.base_url)
+    log = folder / case.script
+    with FaultProxy(steady.url, case.faults) as proxy:
+        out = run(steady, case.script, log, proxy.base_url)
         fired = sorted(str(f) for f in proxy.fired)
     assert out.returncode == 0, out.stderr[-3000:]
     assert fired == sorted(str(f) for f in case.faults), "every scheduled fault was injected"
-    assert_same_run(mortal, case.script, log, base)
+    assert_same_run(steady, case.script, log, base)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.outcome == "death"], ids=case_id)
-def test_a_dead_service_ends_the_run_with_exit_4_and_the_printed_command_finishes_it(case, mortal, baseline, tmp_path):
+def death(case, mortal, baseline, folder):
     base = baseline(case.script)
     mortal.ensure()
-    log = tmp_path / case.script
+    log = folder / case.script
     with FaultProxy(mortal.url, case.faults, on_death=mortal.kill) as proxy:
         out = run(mortal, case.script, log, proxy.base_url, env_extra={"TINKER_UNREACHABLE_S": "3"})
         assert [str(f) for f in proxy.fired] == [str(f) for f in case.faults]
@@ -258,11 +335,10 @@ def test_a_dead_service_ends_the_run_with_exit_4_and_the_printed_command_finishe
     assert_same_run(mortal, case.script, log, base)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.outcome == "restart"], ids=case_id)
-def test_a_restarted_service_fails_the_step_and_the_printed_command_finishes_it(case, mortal, baseline, tmp_path):
+def restart(case, mortal, baseline, folder):
     base = baseline(case.script)
     mortal.ensure()
-    log = tmp_path / case.script
+    log = folder / case.script
     with FaultProxy(mortal.url, case.faults, on_death=mortal.kill, on_restart=mortal.start) as proxy:
         out = run(mortal, case.script, log, proxy.base_url)
         assert [str(f) for f in proxy.fired] == [str(f) for f in case.faults]
@@ -272,36 +348,85 @@ def test_a_restarted_service_fails_the_step_and_the_printed_command_finishes_it(
     assert_same_run(mortal, case.script, log, base)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.outcome == "sigkill"], ids=case_id)
-def test_sigkill_at_any_request_then_resume_repeats_the_uninterrupted_run(case, mortal, baseline, tmp_path):
+def sigkill(case, steady, baseline, folder):
     base = baseline(case.script)
-    mortal.ensure()
-    log = tmp_path / case.script
-    argv = settings(case.script, mortal.tokenizer, mortal.model)
+    log = folder / case.script
+    argv = settings(case.script, steady.tokenizer, steady.model)
     holder = {}
 
     def kill():
         os.kill(holder["proc"].pid, signal.SIGKILL)  # the python process itself, never a wrapper shell
 
-    with FaultProxy(mortal.url, case.faults, on_kill=kill) as proxy:
+    with FaultProxy(steady.url, case.faults, on_kill=kill) as proxy:
         started = time.monotonic()
         holder["proc"] = subprocess.Popen([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--log-path", str(log)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          env=mortal.env(proxy.base_url))
+                                          env=steady.env(proxy.base_url))
         try:
             code = holder["proc"].wait(timeout=300)
         except subprocess.TimeoutExpired:
             holder["proc"].kill()
             pytest.fail(f"the kill moment {case.faults[0]} never came; the proxy saw: "
-                        f"{[(e.op, e.n, e.fault, e.status) for e in proxy.events][-30:]}\n{mortal.log_tail()}",
+                        f"{[(e.op, e.n, e.fault, e.status) for e in proxy.events][-30:]}\n{steady.log_tail()}",
                         pytrace=False)
-        TIMINGS[f"{case.script}:{log.name}:killed"] = time.monotonic() - started
+        TIMINGS[f"{log.parent.name}:killed"] = time.monotonic() - started
         assert [str(f) for f in proxy.fired] == [str(f) for f in case.faults]
     assert code == -signal.SIGKILL
     saved = bool(tinker_sft.Run(log).checkpoints())  # what --resume would continue from
-    with FaultProxy(mortal.url) as proxy:
-        resumed = run(mortal, case.script, log, proxy.base_url, "--resume" if saved else "--overwrite")
+    with FaultProxy(steady.url) as proxy:
+        resumed = run(steady, case.script, log, proxy.base_url, "--resume" if saved else "--overwrite")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     if saved:
         assert "resumed from tinker://" in resumed.stderr
-    assert_same_run(mortal, case.script, log, base)
+    assert_same_run(steady, case.script, log, base)
+
+
+# The delay cases first: mostly a wait past the SDK's timeout, it overlaps the most work started after it.
+ABSORBED_CASES = sorted((c for c in CASES if c.outcome in ("absorbed", "delay")), key=lambda c: c.outcome != "delay")
+DEATH_CASES = [c for c in CASES if c.outcome == "death"]
+RESTART_CASES = [c for c in CASES if c.outcome == "restart"]
+SIGKILL_CASES = [c for c in CASES if c.outcome == "sigkill"]
+# (cases, stream, body) in the order pytest runs the tests below
+BODIES = [(ABSORBED_CASES, "steady", absorbed), (DEATH_CASES, "mortal", death), (RESTART_CASES, "mortal", restart),
+          (SIGKILL_CASES, "steady", sigkill)]
+
+
+@pytest.fixture(scope="module")
+def ahead(servers, baseline, tmp_path_factory):
+    steady, mortals = servers
+
+    def bind(body, stream):
+        def go(case):
+            folder, began = tmp_path_factory.mktemp(case.id), time.monotonic()
+            server = steady if stream == "steady" else mortals.get()
+            try:
+                return body(case, server, baseline, folder)
+            finally:
+                SPANS[folder.name] = (round(began - T0, 1), round(time.monotonic() - T0, 1))
+                if server is not steady:
+                    mortals.put(server)
+        return go
+
+    runner = Ahead([(c, stream, bind(body, stream)) for cases, stream, body in BODIES for c in cases])
+    yield runner
+    runner.close()
+
+
+@pytest.mark.parametrize("case", ABSORBED_CASES, ids=case_id)
+def test_an_absorbed_fault_leaves_the_run_as_if_nothing_happened(case, ahead):
+    ahead.result(case)
+
+
+@pytest.mark.parametrize("case", DEATH_CASES, ids=case_id)
+def test_a_dead_service_ends_the_run_with_exit_4_and_the_printed_command_finishes_it(case, ahead):
+    ahead.result(case)
+
+
+@pytest.mark.parametrize("case", RESTART_CASES, ids=case_id)
+def test_a_restarted_service_fails_the_step_and_the_printed_command_finishes_it(case, ahead):
+    ahead.result(case)
+
+
+@pytest.mark.parametrize("case", SIGKILL_CASES, ids=case_id)
+def test_sigkill_at_any_request_then_resume_repeats_the_uninterrupted_run(case, ahead):
+    ahead.result(case)
