@@ -14,8 +14,8 @@ through tests/fault_proxy.py and checks, against an uninterrupted run of the sam
 
 Two local servers of the module's own: the death and restart cases kill one and start it again on the same
 --run-dir, a case at a time; the other cases share the other, never killed, two at a time. Cases run ahead of
-their tests (`Ahead`), so one case's waits (SDK timeouts, back-offs, restarts) overlap another's work. Waits are for events (a request seen by
-the proxy, a process ending), never for wall-clock time.
+their tests (`Ahead`), so one case's waits (SDK timeouts, back-offs, restarts) overlap another's work. Waits
+are for events (a request seen by the proxy, a process ending), never for wall-clock time.
 """
 from __future__ import annotations
 
