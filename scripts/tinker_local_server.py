@@ -64,6 +64,10 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      future_poller_sleeps_between_queries  the API's future poller wakes when the engine
                                  completes futures, not only every 50 ms        none known
      sqlite_fsync_every_commit   SQLite synchronous=NORMAL (WAL): no fsync per commit  none known
+     api_process_imports_torch   the API process runs without torch (only skyrl's renderer for
+                                 external inference engines and the SDK's optional TensorData
+                                 conversion import it; the local server samples in its engine):
+                                 1.1 s of CPU off each start                    none known
 
   G. Memory (TINKER_LOCAL_MICRO_BATCH_TOKENS=N sets the budget, default 512 padded tokens; 0 turns G off)
      model_passes_hold_the_whole_batchs_logits  forward, forward_backward and sampling run in
@@ -129,6 +133,8 @@ def main(argv: list[str]) -> int:
         engine.main()
         return 0
     if role == "api":
+        if speed_enabled():
+            shim_api_without_torch()
         import uvicorn
         from skyrl.tinker import api
         from skyrl.tinker.config import EngineConfig, add_model
@@ -284,6 +290,33 @@ def shim_typing() -> None:
 
     import typing_extensions
     typing.TypedDict = typing_extensions.TypedDict
+
+
+def shim_api_without_torch() -> None:
+    """F. API start: importing skyrl's API app imports torch (~1.1 s of CPU of a ~2.1 s start), through the
+    renderer of multimodal inputs for external inference engines (skyrl/backends/renderer.py; the local server
+    configures none: "Using internal engine for inference") and the SDK's optional TensorData.to_torch. Here
+    torch cannot be imported in the API process (the SDK's types fall back to numpy, as without torch), and the
+    renderer is a stand-in that says why if it is ever called. The engine process keeps torch."""
+    import importlib.abc
+    import types as pytypes
+
+    class NoTorch(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch" or name.startswith("torch."):
+                raise ModuleNotFoundError(f"No module named {name!r} (the local API process runs without torch)",
+                                          name=name)
+            return None
+
+    def render_model_input(*args, **kwargs):
+        raise RuntimeError("the local server samples in its own engine; it has no external inference engine "
+                           "to render multimodal inputs for")
+
+    assert "torch" not in sys.modules, "shim_api_without_torch must run before anything imports torch"
+    sys.meta_path.insert(0, NoTorch())
+    renderer = pytypes.ModuleType("skyrl.backends.renderer")
+    renderer.render_model_input = render_model_input
+    sys.modules["skyrl.backends.renderer"] = renderer
 
 
 def apply_api_shims(api) -> None:
@@ -2008,6 +2041,9 @@ def gaps_still_open() -> dict[str, bool]:
     import subprocess as sp
 
     bare = sp.run([sys.executable, "-c", "import skyrl.tinker.types"], capture_output=True, text=True)
+    api_torch = sp.run([sys.executable, "-c", "import sys, typing, typing_extensions; typing.TypedDict = "
+                        "typing_extensions.TypedDict; import skyrl.tinker.api; print('torch' in sys.modules)"],
+                       capture_output=True, text=True)
     from skyrl.backends.jax import JaxBackendImpl
     from skyrl.tinker import api, types
     from skyrl.tinker.config import EngineConfig
@@ -2057,6 +2093,7 @@ def gaps_still_open() -> dict[str, bool]:
         "engine_loop_sleeps_between_polls": "time.sleep(0.1)" in inspect.getsource(TinkerEngine.process_pending_requests),
         "future_poller_sleeps_between_queries": "asyncio.sleep(poll_interval_sec)" in inspect.getsource(api.poll_futures),
         "sqlite_fsync_every_commit": "synchronous" not in inspect.getsource(enable_sqlite_wal),
+        "api_process_imports_torch": api_torch.stdout.strip() == "True",
         "sampler_compiles_per_batch_size_and_length": "max_new_tokens = max(sampling_param.max_tokens"
             in inspect.getsource(GeneratorMixin.generate),
         "queue_read_without_snapshot": optim_step_read_before_its_forward_backward(skyrls_queue_reads),
