@@ -46,12 +46,12 @@ def test_a_linked_venv_names_itself_shares_the_packages_and_leaves_the_cache_as_
     assert {p: p.read_bytes() for p in before} == before
 
 
-def test_a_venv_built_elsewhere_is_renamed_in_place(tmp_path):
+def test_a_venv_built_in_another_folder_names_the_folder_it_becomes(tmp_path):
     tool = load()
     building = fake_venv(tmp_path / "KEY.building-1")
     cached = tmp_path / "KEY"
+    tool.rename_in(building, building, cached)
     building.rename(cached)
-    tool.rename_in(cached, building, cached)
     assert (cached / "bin" / "pip").read_text().startswith(f"#!{cached}/bin/python3\n")
     assert str(building) not in (cached / "pyvenv.cfg").read_text()
 

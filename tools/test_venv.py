@@ -92,10 +92,16 @@ def main(argv: list[str]) -> int:
         building = CACHE / f"{cached.name}.building-{os.getpid()}"
         shutil.rmtree(building, ignore_errors=True)
         install(building)
+        rename_in(building, building, cached)  # its scripts name the folder it is about to become
         (building / ".complete").write_text("installed by tools/test_venv.py\n")
-        shutil.rmtree(cached, ignore_errors=True)
-        building.rename(cached)  # whole or not at all: a killed install leaves only a .building folder
-        rename_in(cached, building, cached)
+        if not (cached / ".complete").exists():  # another run may have finished one meanwhile
+            shutil.rmtree(cached, ignore_errors=True)
+            try:
+                building.rename(cached)  # whole or not at all: a killed install leaves only a .building folder
+            except OSError:  # another run's rename won
+                if not (cached / ".complete").exists():
+                    raise
+        shutil.rmtree(building, ignore_errors=True)
         for stale in sorted((p for p in CACHE.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)[:-KEEP]:
             if stale != cached:
                 shutil.rmtree(stale, ignore_errors=True)
