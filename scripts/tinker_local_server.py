@@ -64,10 +64,11 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
      future_poller_sleeps_between_queries  the API's future poller wakes when the engine
                                  completes futures, not only every 50 ms        none known
      sqlite_fsync_every_commit   SQLite synchronous=NORMAL (WAL): no fsync per commit  none known
-     api_process_imports_torch   the API process runs without torch (only skyrl's renderer for
+     api_process_imports_torch   the API process starts without torch (only skyrl's renderer for
                                  external inference engines and the SDK's optional TensorData
-                                 conversion import it; the local server samples in its engine):
-                                 1.1 s of CPU off each start                    none known
+                                 conversion import it; the local server samples in its engine;
+                                 the OpenAI routes' tokenizer imports it on first use): 1.1 s of
+                                 CPU off each start                             none known
 
   G. Memory (TINKER_LOCAL_MICRO_BATCH_TOKENS=N sets the budget, default 512 padded tokens; 0 turns G off)
      model_passes_hold_the_whole_batchs_logits  forward, forward_backward and sampling run in
@@ -133,8 +134,7 @@ def main(argv: list[str]) -> int:
         engine.main()
         return 0
     if role == "api":
-        if speed_enabled():
-            shim_api_without_torch()
+        allow_torch = shim_api_without_torch() if speed_enabled() else (lambda: None)
         import uvicorn
         from skyrl.tinker import api
         from skyrl.tinker.config import EngineConfig, add_model
@@ -144,6 +144,7 @@ def main(argv: list[str]) -> int:
         apply_store_shims(api)
         add_openai_routes(api.app)
         apply_api_probes(api)
+        allow_torch()  # the OpenAI-compatible routes load a tokenizer (transformers imports torch) on first use
         parser = argparse.ArgumentParser(prog="tinker_local_server.py api")
         add_model(parser, EngineConfig)
         parser.add_argument("--listen-fd", type=int, required=True)
@@ -292,12 +293,14 @@ def shim_typing() -> None:
     typing.TypedDict = typing_extensions.TypedDict
 
 
-def shim_api_without_torch() -> None:
+def shim_api_without_torch():
     """F. API start: importing skyrl's API app imports torch (~1.1 s of CPU of a ~2.1 s start), through the
     renderer of multimodal inputs for external inference engines (skyrl/backends/renderer.py; the local server
     configures none: "Using internal engine for inference") and the SDK's optional TensorData.to_torch. Here
-    torch cannot be imported in the API process (the SDK's types fall back to numpy, as without torch), and the
-    renderer is a stand-in that says why if it is ever called. The engine process keeps torch."""
+    torch cannot be imported while the app is imported and patched (the SDK's types fall back to numpy, as
+    without torch), and the renderer is a stand-in that says why if it is ever called. Returns allow(): torch
+    importable again, for the OpenAI-compatible routes' tokenizer (transformers needs it) when first asked. The
+    engine process keeps torch."""
     import importlib.abc
     import types as pytypes
 
@@ -313,10 +316,12 @@ def shim_api_without_torch() -> None:
                            "to render multimodal inputs for")
 
     assert "torch" not in sys.modules, "shim_api_without_torch must run before anything imports torch"
-    sys.meta_path.insert(0, NoTorch())
+    finder = NoTorch()
+    sys.meta_path.insert(0, finder)
     renderer = pytypes.ModuleType("skyrl.backends.renderer")
     renderer.render_model_input = render_model_input
     sys.modules["skyrl.backends.renderer"] = renderer
+    return lambda: sys.meta_path.remove(finder)
 
 
 def apply_api_shims(api) -> None:
