@@ -121,19 +121,24 @@ class ModuleServer:
 def start_all(*servers) -> None:
     """Start the servers side by side (each start is mostly one process importing and building the model)."""
     with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
-        for done in [pool.submit(server.start) for server in servers]:
-            try:
-                done.result()
-            except tinker_local.LocalError as exc:
-                pytest.fail(f"local Tinker backend: {exc}", pytrace=False)
+        starts = [pool.submit(server.start) for server in servers]
+    failed = [f.exception() for f in starts if f.exception() is not None]
+    if failed:
+        for server in servers:
+            if server.server is not None:
+                server.server.stop()
+        if isinstance(failed[0], tinker_local.LocalError):
+            pytest.fail(f"local Tinker backend: {failed[0]}", pytrace=False)
+        raise failed[0]
 
 
 class Ahead:
     """Runs each case's test body before pytest reaches the test, on two streams, so the cases' waits overlap:
     the SDK's 45-61 s timeouts (delay), Retry-After back-offs (429), TINKER_UNREACHABLE_S and server restarts.
 
-    - steady: the baselines, then the absorbed, delay and SIGKILL-of-the-script cases, WIDTH at a time, on a
-      server that is never killed (a run's requests go through a proxy of its own, which counts them);
+    - steady: the absorbed, delay and SIGKILL-of-the-script cases, WIDTH at a time, on a server that is never
+      killed (a run's requests go through a proxy of its own, which counts them); each script's baseline is
+      made there by the first case that needs it;
     - mortal: the death and restart cases, MORTALS at a time, each on a server of its own that it kills and
       starts again.
 
@@ -394,8 +399,11 @@ BODIES = [(ABSORBED_CASES, "steady", absorbed), (DEATH_CASES, "mortal", death), 
 
 
 @pytest.fixture(scope="module")
-def ahead(servers, baseline, tmp_path_factory):
+def ahead(servers, baseline, tmp_path_factory, request):
+    """The module's Ahead, over the cases whose tests this session selected (`-k` runs only those)."""
     steady, mortals = servers
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if item.path == request.path and hasattr(item, "callspec")}
 
     def bind(body, stream):
         def go(case):
@@ -409,7 +417,8 @@ def ahead(servers, baseline, tmp_path_factory):
                     mortals.put(server)
         return go
 
-    runner = Ahead([(c, stream, bind(body, stream)) for cases, stream, body in BODIES for c in cases])
+    runner = Ahead([(c, stream, bind(body, stream)) for cases, stream, body in BODIES for c in cases
+                    if c in selected])
     yield runner
     runner.close()
 
