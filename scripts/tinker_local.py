@@ -441,6 +441,62 @@ class Server:
         self.stop()
 
 
+ENGINE_ZYGOTE_ENV = "TINKER_LOCAL_ENGINE_ZYGOTE"  # read by tinker_local_server.py's engine role
+
+
+class EngineZygote:
+    """For a process that starts many servers (a test session, a benchmark): one server-venv process imports what
+    an engine imports (~5 s of CPU of a ~10 s start) and forks every engine that servers started from this
+    process ask it for, while this object is open. The engine is the same code with the same argv, environment and
+    log; only the imports are shared. An engine whose import-time environment (JAX_*, HF_*, PYTHON* ...) differs
+    from the zygote's starts as its own process. `close()` (or this process's exit) ends it and its engines."""
+
+    def __init__(self, venv: Path | None = None, home: Path | None = None, folder: Path | None = None,
+                 ready_timeout: float = READY_TIMEOUT_SEC):
+        import tempfile
+        venv, home = venv or resolve_venv(), home or resolve_home()
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="tinker-engine-zygote-"))
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / "engine-zygote.sock"
+        self.log = self.folder / "engine-zygote.log"
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(venv_python(venv)), str(SERVER), "engine-zygote", str(self.path), str(tiny_model_dir(home))],
+                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=_server_env(home),
+                start_new_session=True)
+        import select
+        ready, _, _ = select.select([self.proc.stdout], [], [], ready_timeout)
+        if not ready or self.proc.stdout.readline().strip() != b"ready":
+            self.close()
+            raise LocalError(f"the engine zygote did not start; log: {self.log}")
+        self._previous = os.environ.get(ENGINE_ZYGOTE_ENV)
+        os.environ[ENGINE_ZYGOTE_ENV] = str(self.path)
+
+    def close(self) -> None:
+        if os.environ.get(ENGINE_ZYGOTE_ENV) == str(self.path):
+            if getattr(self, "_previous", None) is None:
+                os.environ.pop(ENGINE_ZYGOTE_ENV, None)
+            else:
+                os.environ[ENGINE_ZYGOTE_ENV] = self._previous
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def __enter__(self) -> EngineZygote:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def stop_group(proc: subprocess.Popen, grace_sec: float = 15.0) -> None:
     """SIGTERM the whole process group, wait, then SIGKILL what is left: no orphans."""
     pgid = proc.pid  # started with start_new_session, so the leader's pid is the group id

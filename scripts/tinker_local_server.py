@@ -8,6 +8,7 @@ only, in the user's Python) starts it. Nothing here is run by hand.
 **Run (by tinker_local.py, with the server venv's python):**
     tinker_local_server.py api --listen-fd FD <skyrl.tinker.api flags>   # the HTTP process
     tinker_local_server.py engine <flags>                                # re-entered by the api process
+    tinker_local_server.py engine-zygote SOCKET [MODEL_DIR]              # forks engines (tinker_local.EngineZygote)
     tinker_local_server.py build-model OUT_DIR SPEC_JSON                 # the tiny model, at setup
     tinker_local_server.py check | gaps                                  # shims apply / gaps still open
 
@@ -87,7 +88,7 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
 
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
-TINKER_LOCAL_MAX_CONTEXT, TINKER_LOCAL_EXTRA_MODELS); optional TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
+TINKER_LOCAL_MAX_CONTEXT, TINKER_LOCAL_EXTRA_MODELS); optional TINKER_LOCAL_ENGINE_ZYGOTE=SOCKET (the engine is forked there when its import-time environment matches), TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
 (both processes append one JSON line per request event: benchmarks/local_backend_profile.py).
 """
 from __future__ import annotations
@@ -124,6 +125,12 @@ def main(argv: list[str]) -> int:
     if role == "gaps":
         print(json.dumps(gaps_still_open()))
         return 0
+    if role == "engine-zygote":
+        return engine_zygote(rest[0], Path(rest[1]) if len(rest) > 1 else None)
+    if role == "engine" and os.environ.get(ZYGOTE_ENV):
+        code = engine_from_zygote(rest)
+        if code is not None:
+            return code
     _exit_with_parent()
     if role == "engine":
         apply_engine_shims()
@@ -157,7 +164,8 @@ def main(argv: list[str]) -> int:
                                 timeout_keep_alive=api.HTTP_KEEP_ALIVE_TIMEOUT_SECONDS)
         uvicorn.Server(config).run(sockets=[listener])
         return 0
-    print(f"tinker_local_server.py: unknown role {role!r}; expected api, engine, build-model, check or gaps",
+    print(f"tinker_local_server.py: unknown role {role!r}; expected api, engine, engine-zygote, build-model, check "
+          "or gaps",
           file=sys.stderr)
     return 2
 
@@ -281,6 +289,224 @@ def _exit_with_parent() -> None:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
+# ---------------------------------------------------------------- engine zygote (many servers, one import)
+
+ZYGOTE_ENV = "TINKER_LOCAL_ENGINE_ZYGOTE"  # a unix socket path: engines are forked there (tinker_local.EngineZygote)
+# What an engine imports before it builds its model: ~5 s of CPU of a ~10 s start.
+ZYGOTE_PRELOAD = ("numpy", "torch", "transformers", "peft", "safetensors", "sqlmodel", "jax", "jax.numpy", "flax.nnx",
+                  "skyrl.backends.jax", "skyrl.tinker.engine", "skyrl.tinker.types", "skyrl.tinker.db_models",
+                  "skyrl.tx.models.qwen3", "skyrl.tx.models.llama3", "skyrl.tx.models.deepseekv3")
+# Read when those packages are imported: an engine whose values differ from the zygote's starts as its own process.
+IMPORT_TIME_ENV = ("JAX_", "XLA_", "TF_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_",
+                   "MKL_", "OPENBLAS_", "NUMPY_", "NPY_", "PYTHON", "LANG", "LC_", "CUDA", "ABSL")
+
+
+def import_time_env(env) -> list[tuple[str, str]]:
+    return sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV))
+
+
+def engine_zygote(path: str, warm_model: Path | None) -> int:
+    """Import what an engine imports, then fork one engine per request on the unix socket at `path`; each child
+    runs this file fresh as `tinker_local_server.py engine ARGS` (the argv, environment, working directory and
+    fds 0-2 of the process that asked: `engine_from_zygote`). XLA is never initialised here (its threads would
+    not survive a fork): every child starts its own runtime. `warm_model`: a model folder whose tokenizer and
+    config are loaded once, for transformers' lazily imported modules. Exits with its parent, killing its
+    children."""
+    import array
+    import importlib
+    import select
+
+    before = dict(os.environ)
+    own = import_time_env(os.environ)
+    shim_typing()
+    for name in ZYGOTE_PRELOAD:
+        importlib.import_module(name)
+    if warm_model is not None:
+        from transformers import AutoConfig, AutoTokenizer
+        AutoConfig.from_pretrained(warm_model)
+        AutoTokenizer.from_pretrained(warm_model)
+    from jax._src import xla_bridge
+    if xla_bridge._backends:
+        print("engine zygote: XLA was initialised while importing; not forking", file=sys.stderr)
+        return 1
+    # what the imports set in the environment (TF_CPP_MIN_LOG_LEVEL ...): an engine importing them would have it
+    imports_set = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop: a finished child is reported at once
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("ready", flush=True)
+    running: dict[int, socket.socket] = {}
+    try:
+        while os.getppid() == parent:
+            readable, _, _ = select.select([listener, wake_r, *running.values()], [], [], 1.0)
+            if wake_r in readable:
+                os.read(wake_r, 4096)
+                readable.remove(wake_r)
+            for sock in readable:
+                if sock is not listener:  # the asking process is gone (killed): its engine goes with it
+                    pid = next(p for p, c in running.items() if c is sock)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    continue
+                conn, _ = listener.accept()
+                fds = array.array("i")
+                try:
+                    data = b""
+                    while not data.endswith(b"\n"):
+                        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
+                        if not msg:
+                            raise EOFError
+                        data += msg
+                        for level, kind, payload in ancdata:
+                            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+                    request = json.loads(data)
+                except (EOFError, ValueError, OSError):
+                    conn.close()
+                    continue
+                if len(fds) != 3 or import_time_env(request["env"]) != own:
+                    differ = sorted(set(import_time_env(request["env"])) ^ set(own))
+                    print(f"engine zygote: declined (import-time environment differs: "
+                          f"{sorted({k for k, _ in differ})})", file=sys.stderr, flush=True)
+                    conn.sendall(b'{"pid": null}\n')
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    request["env"] = {**imports_set, **request["env"]}
+                    _engine_child(request, list(fds), [listener, conn, *running.values()], (wake_r, wake_w))
+                for fd in set(fds):
+                    os.close(fd)
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                running[pid] = conn
+                print(f"engine zygote: forked engine {pid}", file=sys.stderr, flush=True)
+            while running:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                conn = running.pop(pid, None)
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                    conn.close()
+    finally:
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return 0
+
+
+def _engine_child(request: dict, fds: list[int], sockets, wake: tuple[int, int]) -> None:
+    """In the forked child: become `tinker_local_server.py engine ARGS` as the asking process would have run it."""
+    import io
+    import random
+    import runpy
+
+    signal.set_wakeup_fd(-1)
+    for sock in sockets:
+        sock.close()
+    for fd in wake:
+        os.close(fd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.setpgid(0, 0)  # the engine's "exit with parent" takes its own group down, never the zygote's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+
+    def stream(fd: int, errors: str):
+        raw = io.FileIO(fd, "w", closefd=False)
+        return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8", errors=errors,
+                                line_buffering=True, write_through=unbuffered)
+
+    sys.stdout = sys.__stdout__ = stream(1, "strict")
+    sys.stderr = sys.__stderr__ = stream(2, "backslashreplace")
+    random.seed()
+    import numpy
+    numpy.random.seed()
+    sys.argv = [str(HERE), "engine", *request["argv"]]
+    code = 0
+    try:
+        runpy.run_path(str(HERE), run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        import traceback
+        traceback.print_exc()
+        code = 1
+    import atexit
+    with contextlib.suppress(BaseException):
+        threading._shutdown()
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for out in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            out.flush()
+    os._exit(code if isinstance(code, int) else 1)
+
+
+def engine_from_zygote(argv: list[str]) -> int | None:
+    """Ask the zygote at $TINKER_LOCAL_ENGINE_ZYGOTE for an engine with this process's argv, environment,
+    working directory and fds 0-2, then stand in for it: signals are passed on, its exit status is ours, and
+    if our parent dies our group goes down as a real engine's would (the zygote kills the engine when we die).
+    None: no zygote there, or it declined (another import-time environment); this process is the engine."""
+    import array
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(os.environ[ZYGOTE_ENV])
+        env = {k: v for k, v in os.environ.items() if k != ZYGOTE_ENV}
+        conn.sendmsg([json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n"],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+        reader = conn.makefile("r")
+        pid = json.loads(reader.readline() or "{}").get("pid")
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    if not pid:
+        conn.close()
+        return None
+
+    def forward(signum, _frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    _exit_with_parent()
+    line = reader.readline()
+    if not line:
+        print("tinker_local_server.py: the engine zygote stopped under this engine", file=sys.stderr)
+        return 1
+    code = json.loads(line)["returncode"]
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
 
 
 def shim_typing() -> None:

@@ -36,7 +36,7 @@ import pytest
 
 import tinker_local
 
-__all__ = ["LocalTinker", "local_backend_install", "local_tinker", "local_sft_run", "local_rl_run",
+__all__ = ["LocalTinker", "local_backend_install", "real_engines", "local_tinker", "local_sft_run", "local_rl_run",
            "close_service_clients_made_by_the_test", "close_service_clients_made_by_the_module"]
 ROOT = Path(__file__).resolve().parent.parent
 # The last lines of a `python -c` program that uses the SDK: end through common/errors.exit_process, as the
@@ -108,14 +108,33 @@ def _make(base_url: str, home: Path, server=None) -> LocalTinker:
 
 
 @pytest.fixture(scope="session")
-def local_backend_install():
-    """(venv, home) of the installed local backend; runs the idempotent `setup` once."""
+def local_backend_install(tmp_path_factory):
+    """(venv, home) of the installed local backend; runs the idempotent `setup` once. Then an engine zygote
+    (tinker_local.EngineZygote) serves every server this test process starts with the session's environment:
+    each engine is forked from a process that imported JAX, SkyRL, transformers and torch once (~7 s of CPU less
+    per server start; TINKER_TEST_ENGINE_ZYGOTE=0 turns it off). Tests of the launcher's processes take it away
+    (`real_engines`)."""
     venv, home = tinker_local.resolve_venv(), tinker_local.resolve_home()
     try:
         tinker_local.setup(venv, home, python=sys.executable if sys.version_info[:2] == (3, 11) else None)
     except tinker_local.LocalError as exc:
         pytest.fail(f"local Tinker backend setup: {exc}", pytrace=False)
-    return venv, home
+    zygote = None
+    if os.environ.get("TINKER_TEST_ENGINE_ZYGOTE", "1") != "0":
+        try:
+            zygote = tinker_local.EngineZygote(venv, home, folder=tmp_path_factory.mktemp("engine-zygote"))
+        except tinker_local.LocalError as exc:
+            pytest.fail(f"local Tinker backend: {exc}", pytrace=False)
+    yield venv, home
+    if zygote is not None:
+        zygote.close()
+
+
+@pytest.fixture
+def real_engines(monkeypatch):
+    """Servers started in this test run their engine as a process of their own (no engine zygote): for tests of
+    which processes a server leaves behind."""
+    monkeypatch.delenv(tinker_local.ENGINE_ZYGOTE_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True)

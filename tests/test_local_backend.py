@@ -32,7 +32,8 @@ TEXTS = [f"The quick brown fox number {i} jumps over the lazy dog near the river
 
 
 def processes_mentioning(marker: str) -> list[str]:
-    """Command lines of live (non-zombie) processes whose arguments contain `marker`."""
+    """Command lines of live (non-zombie) processes whose arguments contain `marker`. An engine forked by the test
+    session's engine zygote has the zygote's command line: tests that count processes take `real_engines`."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -723,7 +724,7 @@ def test_run_with_a_missing_command_fails_before_starting_a_server(tmp_path):
 
 
 @pytest.mark.e2e
-def test_serve_on_a_taken_port_fails_in_one_line_naming_the_log(installed, tmp_path):
+def test_serve_on_a_taken_port_fails_in_one_line_naming_the_log(installed, real_engines, tmp_path):
     venv, home = installed
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -741,7 +742,7 @@ def test_serve_on_a_taken_port_fails_in_one_line_naming_the_log(installed, tmp_p
 
 
 @pytest.mark.e2e
-def test_server_crash_at_start_is_reported_with_the_log_and_leaves_no_process(installed, tmp_path):
+def test_server_crash_at_start_is_reported_with_the_log_and_leaves_no_process(installed, real_engines, tmp_path):
     venv, home = installed
     empty = tmp_path / "no-weights"
     empty.mkdir()
@@ -757,7 +758,7 @@ def test_server_crash_at_start_is_reported_with_the_log_and_leaves_no_process(in
 
 
 @pytest.mark.e2e
-def test_engine_not_ready_in_time_is_reported_with_the_log_and_leaves_no_process(installed, tmp_path):
+def test_engine_not_ready_in_time_is_reported_with_the_log_and_leaves_no_process(installed, real_engines, tmp_path):
     venv, home = installed
     done = tinker_local_cli("run", "--venv", str(venv), "--home", str(home), "--ready-timeout", "2",
                             "--run-dir", str(tmp_path), "--", sys.executable, "-c", "print('never')")
@@ -768,7 +769,7 @@ def test_engine_not_ready_in_time_is_reported_with_the_log_and_leaves_no_process
 
 
 @pytest.mark.e2e
-def test_run_interrupts_the_command_when_the_server_dies_under_it(installed, tmp_path):
+def test_run_interrupts_the_command_when_the_server_dies_under_it(installed, real_engines, tmp_path):
     """The SDK retries a dead server forever; `run` notices the server is gone, stops the command and
     says so with the log, instead of leaving both hanging."""
     venv, home = installed
@@ -796,7 +797,7 @@ sys.exit(int(sys.argv[1]))
 
 
 @pytest.mark.e2e
-def test_two_runs_at_once_use_separate_ports_and_folders_and_return_the_commands_code(installed, tmp_path):
+def test_two_runs_at_once_use_separate_ports_and_folders_and_return_the_commands_code(installed, real_engines, tmp_path):
     venv, home = installed
     runs = {}
     for name, code in (("a", 0), ("b", 7)):
@@ -824,7 +825,7 @@ def test_two_runs_at_once_use_separate_ports_and_folders_and_return_the_commands
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_serve_leaves_no_process_when_stopped_or_killed(installed, tmp_path, sig):
+def test_serve_leaves_no_process_when_stopped_or_killed(installed, real_engines, tmp_path, sig):
     venv, home = installed
     serve = subprocess.Popen([sys.executable, str(SCRIPT), "serve", "--json", "--venv", str(venv),
                               "--home", str(home), "--run-dir", str(tmp_path)],
@@ -846,11 +847,80 @@ def test_serve_leaves_no_process_when_stopped_or_killed(installed, tmp_path, sig
     assert wait_no_processes(str(tmp_path), timeout=30) == []
 
 
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def wait_gone(pid: int, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] \
+            if Path(f"/proc/{pid}/stat").exists() else "Z"
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.e2e
+def test_engine_zygote_forks_engines_that_train_and_die_with_their_server(installed, tmp_path, monkeypatch):
+    """tinker_local.EngineZygote (the test session runs every server's engine through one): the engine is the
+    zygote's child, trains, and goes when its server is stopped or killed; an engine whose import-time
+    environment differs, or with no zygote listening, is started as a process of its own."""
+    import tinker
+    import tinker_local_server
+    import transformers
+    venv, home = installed
+    monkeypatch.delenv(tinker_local.ENGINE_ZYGOTE_ENV, raising=False)
+    zygote = tinker_local.EngineZygote(venv, home, folder=tmp_path / "zygote")
+    try:
+        assert os.environ[tinker_local.ENGINE_ZYGOTE_ENV] == str(zygote.path)
+        servers = [tinker_local.start_server(venv=venv, home=home, run_dir=tmp_path / name) for name in "ab"]
+        try:
+            engines = [int((server.run_dir / "engine.ready").read_text()) for server in servers]
+            assert [parent_of(pid) for pid in engines] == [zygote.proc.pid] * 2
+            # the engine's log lines go to its server's log, as a real engine's do
+            assert "Started background engine" in servers[0].log.read_text()
+            for key, value in servers[0].env.items():
+                monkeypatch.setenv(key, value)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(tinker_local.tiny_model_dir(home)))
+            service = tinker.ServiceClient()
+            training = service.create_lora_training_client(servers[0].model, rank=8, seed=0).result()
+            out = training.forward_backward(datums(tokenizer)[:1], "cross_entropy").result()
+            assert math.isfinite(out.metrics["loss:sum"])
+            service.close("success").result()
+            servers[0].stop()                                      # SIGTERM: passed on, the engine exits
+            assert wait_gone(engines[0])
+            os.killpg(servers[1].proc.pid, signal.SIGKILL)         # the whole group at once, as a crash
+            servers[1].proc.wait(timeout=60)
+            assert wait_gone(engines[1])                           # the zygote saw its asker go
+        finally:
+            for server in servers:
+                server.stop()
+        # declined: another value of an import-time variable, or no zygote at the path (None: be the engine)
+        for key, value in tinker_local._server_env(home).items():  # what a server's engine has
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false" if os.environ.get("TOKENIZERS_PARALLELISM") != "false"
+                           else "true")
+        assert tinker_local_server.engine_from_zygote(["--never-run"]) is None
+        assert "import-time environment differs: ['TOKENIZERS_PARALLELISM']" in zygote.log.read_text()
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode is not None
+    assert tinker_local.ENGINE_ZYGOTE_ENV not in os.environ
+    monkeypatch.setenv(tinker_local.ENGINE_ZYGOTE_ENV, str(zygote.path))
+    assert tinker_local_server.engine_from_zygote(["--never-run"]) is None
+
+
 # ---------------------------------------------------------------- adapter slots
 
 
 @pytest.mark.e2e
-def test_more_training_clients_than_adapter_slots_succeed_once_earlier_ones_end(installed, tmp_path,
+def test_more_training_clients_than_adapter_slots_succeed_once_earlier_ones_end(installed, real_engines, tmp_path,
                                                                               monkeypatch):
     """3 adapters = 2 slots. A closed ServiceClient frees its slots at once; a client process
     that dies without closing frees them when its session expires."""
