@@ -78,9 +78,8 @@ def settings(script, tokenizer, model):
 class ModuleServer:
     """A local backend of the module's own (the mortal one is killed and started again on the same --run-dir)."""
 
-    def __init__(self, run_dir: Path):
-        self.venv, self.home = tinker_local.resolve_venv(), tinker_local.resolve_home()
-        tinker_local.setup(self.venv, self.home, python=sys.executable if sys.version_info[:2] == (3, 11) else None)
+    def __init__(self, run_dir: Path, venv: Path, home: Path):
+        self.venv, self.home = venv, home
         self.run_dir, self.server = run_dir, None
         self.tokenizer = tinker_local.tiny_model_dir(self.home)
         self.model = tinker_local.DEFAULT_MODEL
@@ -189,11 +188,13 @@ class Ahead:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, local_backend_install):
     """(steady, mortals): local backends of the module's own; each of the Ahead.MORTALS mortal ones is killed and
-    restarted by one case at a time (taken from and put back in the `mortals` queue)."""
-    steady = ModuleServer(tmp_path_factory.mktemp("steady-server"))
-    mortal = [ModuleServer(tmp_path_factory.mktemp("fault-server")) for _ in range(Ahead.MORTALS)]
+    restarted by one case at a time (taken from and put back in the `mortals` queue). Their engines are forked by
+    the session's engine zygote (`local_backend_install`)."""
+    venv, home = local_backend_install
+    steady = ModuleServer(tmp_path_factory.mktemp("steady-server"), venv, home)
+    mortal = [ModuleServer(tmp_path_factory.mktemp("fault-server"), venv, home) for _ in range(Ahead.MORTALS)]
     start_all(steady, *mortal)
     global T0
     T0 = time.monotonic()
