@@ -23,6 +23,13 @@ reseeded from the OS, SIGINT raises KeyboardInterrupt, sys.stdin/stdout/stderr a
 with the buffering CPython gives (PYTHONUNBUFFERED honoured). An uncaught exception prints its traceback and
 exits 1, an uncaught KeyboardInterrupt ends the process by SIGINT, as CPython does.
 
+Tokenizers are parsed once too: loading Qwen3's tokenizer.json costs ~0.6 s of CPU, most of a forked run's.
+A child's first `AutoTokenizer.from_pretrained(X, **kw)` for a given (X, kw) returns the zygote's copy when the
+zygote has loaded it and X's files (the folder, or the cached hub snapshot) are unchanged since (names, sizes and
+modification times); otherwise it loads as usual and tells the zygote, which loads it between forks for later
+children. A fork gives each child its own copy of the object, so nothing a script does to it is seen by another;
+a second call in one run loads afresh. Not shared: `trust_remote_code`, positional arguments beyond the name.
+
 Off: TINKER_TEST_FORK_SCRIPTS=0. Measured: see references/setup.md, "The test suite".
 """
 from __future__ import annotations
@@ -84,7 +91,77 @@ def _fresh_stdio(env: dict) -> None:
     sys.stderr = sys.__stderr__ = stream(2, "wb", "backslashreplace", True)
 
 
-def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: tuple[int, int]) -> None:
+_TOKENIZERS: dict[str, tuple] = {}  # in the zygote: key -> (files' fingerprint, tokenizer)
+
+
+def _tokenizer_key(args: tuple, kwargs: dict) -> str | None:
+    if len(args) != 1 or not isinstance(args[0], (str, os.PathLike)) or kwargs.get("trust_remote_code"):
+        return None
+    try:
+        return json.dumps([os.fspath(args[0]), kwargs], sort_keys=True)
+    except TypeError:  # a keyword that is not plain data
+        return None
+
+
+def _tokenizer_files(name: str) -> tuple | None:
+    """(file name, size, mtime) of what from_pretrained(name) reads: the folder, or the hub cache's snapshot of
+    `main`; None when neither is found (never shared)."""
+    folder = name
+    if not os.path.isdir(folder):
+        from huggingface_hub import constants
+        repo = os.path.join(constants.HF_HUB_CACHE, "models--" + name.replace("/", "--"))
+        try:
+            with open(os.path.join(repo, "refs", "main")) as f:
+                folder = os.path.join(repo, "snapshots", f.read().strip())
+        except OSError:
+            return None
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)
+                            if e.is_file()))
+    except OSError:
+        return None
+
+
+def _learn_tokenizer(line: bytes) -> None:
+    """In the zygote, between forks: load a tokenizer a child loaded, for the children after it."""
+    key = line.decode()
+    if key in _TOKENIZERS:
+        return
+    name, kwargs = json.loads(key)
+    files = _tokenizer_files(name)
+    if files is None:
+        return
+    with contextlib.suppress(Exception):
+        from transformers import AutoTokenizer
+        _TOKENIZERS[key] = (files, AutoTokenizer.from_pretrained(name, **kwargs))
+
+
+def _share_tokenizers(learn_fd: int) -> None:
+    """In the child: the first from_pretrained of each (name, keywords) returns the zygote's copy if its files are
+    unchanged; a load the zygote lacks is reported on learn_fd."""
+    from transformers import AutoTokenizer
+    original = AutoTokenizer.from_pretrained.__func__
+    used: set[str] = set()
+
+    def from_pretrained(cls, *args, **kwargs):
+        key = _tokenizer_key(args, kwargs)
+        if key is None or key in used:
+            return original(cls, *args, **kwargs)
+        used.add(key)
+        held = _TOKENIZERS.get(key)
+        if held is not None and held[0] == _tokenizer_files(os.fspath(args[0])):
+            return held[1]
+        tokenizer = original(cls, *args, **kwargs)
+        if held is None:
+            with contextlib.suppress(OSError):
+                os.write(learn_fd, key.encode() + b"\n")
+        return tokenizer
+
+    AutoTokenizer.from_pretrained = classmethod(from_pretrained)
+
+
+def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: tuple[int, int],
+           learn: tuple[int, int]) -> None:
     """In the forked child: become the script's process, run it, exit as `python SCRIPT` would."""
     signal.set_wakeup_fd(-1)
     listener.close()
@@ -92,6 +169,8 @@ def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: 
         c.close()
     for fd in wake:
         os.close(fd)
+    os.close(learn[0])
+    _share_tokenizers(learn[1])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in set(fds):
@@ -170,6 +249,7 @@ def _print_exception(exc: BaseException, argv: list[str]) -> None:
 def serve(path: str) -> None:
     """The zygote: import PRELOAD, then fork one child per request on the unix socket at `path`."""
     import importlib
+    sys.modules["forked_scripts_zygote"] = sys.modules[__name__]  # its tokenizers, for a test to find
     for name in PRELOAD:
         importlib.import_module(name)
     for module, attr in PRELOAD_ATTRS:
@@ -182,13 +262,22 @@ def serve(path: str) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    learn_r, learn_w = os.pipe()  # children name the tokenizers they loaded (_share_tokenizers)
+    os.set_blocking(learn_w, False)
+    learned = b""
     print("ready", flush=True)
     running: dict[int, socket.socket] = {}
     while True:
-        readable, _, _ = select.select([listener, wake_r, *running.values()], [], [], 1.0)
+        readable, _, _ = select.select([listener, wake_r, learn_r, *running.values()], [], [], 1.0)
         if wake_r in readable:
             os.read(wake_r, 4096)
             readable.remove(wake_r)
+        if learn_r in readable:
+            learned += os.read(learn_r, 1 << 16)
+            readable.remove(learn_r)
+            *lines, learned = learned.split(b"\n")
+            for line in dict.fromkeys(lines):
+                _learn_tokenizer(line)
         if os.getppid() != parent:  # the pytest process is gone
             for pid in running:
                 with contextlib.suppress(ProcessLookupError):
@@ -204,7 +293,7 @@ def serve(path: str) -> None:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, fds, listener, [conn, *running.values()], (wake_r, wake_w))
+                    _child(request, fds, listener, [conn, *running.values()], (wake_r, wake_w), (learn_r, learn_w))
                 for fd in set(fds):
                     os.close(fd)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")

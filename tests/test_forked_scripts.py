@@ -99,3 +99,46 @@ def test_the_session_runs_eligible_calls_forked():
         runs = [subprocess.run([PY, "-c", "import os; print(os.getppid())"], capture_output=True, text=True)
                 for _ in range(2)]  # the first use of an environment may run as a real process
         assert runs[-1].forked and int(runs[-1].stdout) != os.getpid()  # the zygote's child, not this process's
+
+
+LOADS = """
+import sys
+from transformers import AutoTokenizer
+first = AutoTokenizer.from_pretrained(sys.argv[1])
+second = AutoTokenizer.from_pretrained(sys.argv[1])
+zygote = sys.modules.get("forked_scripts_zygote")
+shared = [t for _, t in getattr(zygote, "_TOKENIZERS", {}).values()]
+print(any(first is t for t in shared), any(second is t for t in shared), first is second,
+      first.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+      == second.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True),
+      first("hello world")["input_ids"] == second("hello world")["input_ids"], first.pad_token)
+first.pad_token = "<changed>"  # the next run must not see it
+"""
+
+
+def test_a_tokenizer_is_parsed_once_by_the_zygote_and_never_served_stale(offline_tokenizer, tmp_path):
+    """The first run loads the tokenizer itself and tells the zygote; a later run's first load is the zygote's
+    copy (its own, after the fork: a change made in one run is not seen by the next), a second load in the same
+    run is fresh; an edited tokenizer folder is loaded afresh again. Same tokens and template either way."""
+    import shutil
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(offline_tokenizer("Qwen3-8B"), folder)
+    env = dict(os.environ)
+
+    def run():
+        done = forked_scripts.run([PY, "-c", LOADS, str(folder)], start_zygote=True, env=env, capture_output=True,
+                                  text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    fresh = forked_scripts.ORIGINAL_RUN([PY, "-c", LOADS, str(folder)], env=env, capture_output=True, text=True,
+                                        timeout=120).stdout.split()
+    assert fresh[:3] == ["False", "False", "False"] and fresh[3:5] == ["True", "True"]
+    assert run()[:3] == ["False", "False", "False"]      # the zygote learns it now
+    shared = run()
+    assert shared[:3] == ["True", "False", "False"]      # parsed once, in the zygote
+    assert shared[3:] == fresh[3:]                       # the same tokens, template and pad token
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text())                # touched: size the same, modification time not
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 10**9))
+    assert run()[:3] == ["False", "False", "False"]      # not the zygote's copy of the old files
