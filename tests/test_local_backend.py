@@ -625,7 +625,7 @@ def test_each_shim_still_bridges_a_gap_in_the_pinned_skyrl(installed):
         "training_steps_update_every_adapter_slot": True, "loss_chunks_pad_small_batches": True,
         "engine_loop_sleeps_between_polls": True, "future_poller_sleeps_between_queries": True,
         "sqlite_fsync_every_commit": True, "api_process_imports_torch": True,
-        "sampler_compiles_per_batch_size_and_length": True,
+        "sampler_compiles_per_batch_size_and_length": True, "sampler_argmax_is_a_pair_reduction": True,
         "model_passes_hold_the_whole_batchs_logits": True, "queue_read_without_snapshot": True,
     }
 
