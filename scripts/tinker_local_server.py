@@ -311,6 +311,38 @@ def import_time_env(env) -> list[tuple[str, str]]:
     return sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV))
 
 
+def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One JSON line and the fds sent with it (SCM_RIGHTS) from a zygote's client (also tests/forked_scripts.py)."""
+    import array
+    fds = array.array("i")
+    data = b""
+    while not data.endswith(b"\n"):
+        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
+        if not msg:
+            raise EOFError
+        data += msg
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return json.loads(data), list(fds)
+
+
+def report_exits(running: dict) -> None:
+    """Reap a zygote's finished children and send each one's exit status to its client ({pid: connection})."""
+    while running:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        conn = running.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            conn.close()
+
+
 def engine_zygote(path: str, warm_model: Path | None) -> int:
     """Import what an engine imports, then fork one engine per request on the unix socket at `path`; each child
     runs this file fresh as `tinker_local_server.py engine ARGS` (the argv, environment, working directory and
@@ -318,7 +350,6 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
     not survive a fork): every child starts its own runtime. `warm_model`: a model folder whose tokenizer and
     config are loaded once, for transformers' lazily imported modules. Exits with its parent, killing its
     children."""
-    import array
     import importlib
     import select
 
@@ -361,18 +392,8 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
                         os.kill(pid, signal.SIGKILL)
                     continue
                 conn, _ = listener.accept()
-                fds = array.array("i")
                 try:
-                    data = b""
-                    while not data.endswith(b"\n"):
-                        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
-                        if not msg:
-                            raise EOFError
-                        data += msg
-                        for level, kind, payload in ancdata:
-                            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-                    request = json.loads(data)
+                    request, fds = recv_request(conn)
                 except (EOFError, ValueError, OSError):
                     conn.close()
                     continue
@@ -396,18 +417,7 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 running[pid] = conn
                 print(f"engine zygote: forked engine {pid}", file=sys.stderr, flush=True)
-            while running:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                conn = running.pop(pid, None)
-                if conn is not None:
-                    with contextlib.suppress(OSError):
-                        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                    conn.close()
+            report_exits(running)
     finally:
         for pid in running:
             with contextlib.suppress(ProcessLookupError):

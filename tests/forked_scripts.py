@@ -46,6 +46,22 @@ import sys
 import tempfile
 import threading
 
+
+def _server_module():
+    """scripts/tinker_local_server.py (standard library only at import), loaded by its path: sys.path, which the
+    forked children inherit, stays as a real process has it."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "tinker_local_server.py")
+    spec = importlib.util.spec_from_file_location("forked_scripts_local_server", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# the engine zygote's request and exit reporting (tinker_local.EngineZygote), shared
+_SERVER = _server_module()
+recv_request, report_exits = _SERVER.recv_request, _SERVER.report_exits
+
 # Imported once by the zygote: what the scripts import before their work (tinker imports torch).
 PRELOAD = ("numpy", "tinker", "transformers", "jinja2", "rich.console", "rich.progress", "rich.table", "httpx")
 PRELOAD_ATTRS = (("transformers", "AutoTokenizer"), ("transformers", "PreTrainedTokenizerFast"))
@@ -58,20 +74,6 @@ ALLOWED = {"capture_output", "stdout", "stderr", "stdin", "input", "text", "univ
 
 
 # ---------------------------------------------------------------- the zygote (a process of its own)
-
-def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    fds = array.array("i")
-    data = b""
-    while not data.endswith(b"\n"):
-        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
-        if not msg:
-            raise EOFError
-        data += msg
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-    return json.loads(data), list(fds)
-
 
 def _fresh_stdio(env: dict) -> None:
     """New sys.stdin/stdout/stderr over fds 0-2, buffered as CPython buffers them at start-up."""
@@ -287,7 +289,7 @@ def serve(path: str) -> None:
             if sock is listener:
                 conn, _ = listener.accept()
                 try:
-                    request, fds = _recv_request(conn)
+                    request, fds = recv_request(conn)
                 except (EOFError, ValueError, OSError):
                     conn.close()
                     continue
@@ -302,18 +304,7 @@ def serve(path: str) -> None:
                 pid = next(p for p, c in running.items() if c is sock)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        while running:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = running.pop(pid, None)
-            if conn is not None:
-                with contextlib.suppress(OSError):
-                    conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                conn.close()
+        report_exits(running)
 
 
 # ---------------------------------------------------------------- the pytest side
