@@ -327,6 +327,19 @@ def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), list(fds)
 
 
+def zygote_socket(path: str) -> tuple[socket.socket, int, int]:
+    """A zygote's listening unix socket at `path`, and a pipe SIGCHLD writes to, so a select() on it wakes when a
+    child ends and its exit is reported at once (also tests/forked_scripts.py)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    return listener, wake_r, wake_w
+
+
 def report_exits(running: dict) -> None:
     """Reap a zygote's finished children and send each one's exit status to its client ({pid: connection})."""
     while running:
@@ -341,6 +354,45 @@ def report_exits(running: dict) -> None:
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
             conn.close()
+
+
+def fresh_stdio(env: dict) -> None:
+    """In a forked child: new sys.stdin/stdout/stderr over fds 0-2, buffered as CPython buffers them at
+    start-up (also tests/forked_scripts.py)."""
+    import io
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    encoding = env.get("PYTHONIOENCODING", "").split(":")[0] or "utf-8"
+
+    def stream(fd, mode, errors, line):
+        raw = io.FileIO(fd, mode[0], closefd=False)
+        if mode == "rb":
+            return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding, errors=errors)
+        return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=encoding, errors=errors,
+                                line_buffering=line, write_through=unbuffered)
+
+    sys.stdin = sys.__stdin__ = stream(0, "rb", "strict", False)
+    sys.stdout = sys.__stdout__ = stream(1, "wb", "strict", os.isatty(1))
+    sys.stderr = sys.__stderr__ = stream(2, "wb", "backslashreplace", True)
+
+
+def exit_like_python(code) -> None:
+    """In a forked child: the interpreter's shutdown up to module teardown (non-daemon threads joined, atexit
+    handlers run, streams flushed), then SystemExit's code as the exit status; the teardown of the zygote's
+    preloaded modules is skipped (~0.5 s). Also tests/forked_scripts.py."""
+    import atexit
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    with contextlib.suppress(BaseException):
+        threading._shutdown()
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    os._exit(code & 0xFF)
 
 
 def engine_zygote(path: str, warm_model: Path | None) -> int:
@@ -369,13 +421,7 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
     # what the imports set in the environment (TF_CPP_MIN_LOG_LEVEL ...): an engine importing them would have it
     imports_set = {k: v for k, v in os.environ.items() if before.get(k) != v}
     parent = os.getppid()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop: a finished child is reported at once
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    listener, wake_r, wake_w = zygote_socket(path)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print("ready", flush=True)
     running: dict[int, socket.socket] = {}
@@ -429,7 +475,6 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
 
 def _engine_child(request: dict, fds: list[int], sockets, wake: tuple[int, int]) -> None:
     """In the forked child: become `tinker_local_server.py engine ARGS` as the asking process would have run it."""
-    import io
     import random
     import runpy
 
@@ -450,15 +495,7 @@ def _engine_child(request: dict, fds: list[int], sockets, wake: tuple[int, int])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-
-    def stream(fd: int, errors: str):
-        raw = io.FileIO(fd, "w", closefd=False)
-        return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8", errors=errors,
-                                line_buffering=True, write_through=unbuffered)
-
-    sys.stdout = sys.__stdout__ = stream(1, "strict")
-    sys.stderr = sys.__stderr__ = stream(2, "backslashreplace")
+    fresh_stdio(request["env"])
     random.seed()
     import numpy
     numpy.random.seed()
@@ -472,15 +509,7 @@ def _engine_child(request: dict, fds: list[int], sockets, wake: tuple[int, int])
         import traceback
         traceback.print_exc()
         code = 1
-    import atexit
-    with contextlib.suppress(BaseException):
-        threading._shutdown()
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    for out in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            out.flush()
-    os._exit(code if isinstance(code, int) else 1)
+    exit_like_python(code)
 
 
 def engine_from_zygote(argv: list[str]) -> int | None:

@@ -61,6 +61,7 @@ def _server_module():
 # the engine zygote's request and exit reporting (tinker_local.EngineZygote), shared
 _SERVER = _server_module()
 recv_request, report_exits = _SERVER.recv_request, _SERVER.report_exits
+fresh_stdio, exit_like_python, zygote_socket = _SERVER.fresh_stdio, _SERVER.exit_like_python, _SERVER.zygote_socket
 
 # Imported once by the zygote: what the scripts import before their work (tinker imports torch).
 PRELOAD = ("numpy", "tinker", "transformers", "jinja2", "rich.console", "rich.progress", "rich.table", "httpx")
@@ -74,24 +75,6 @@ ALLOWED = {"capture_output", "stdout", "stderr", "stdin", "input", "text", "univ
 
 
 # ---------------------------------------------------------------- the zygote (a process of its own)
-
-def _fresh_stdio(env: dict) -> None:
-    """New sys.stdin/stdout/stderr over fds 0-2, buffered as CPython buffers them at start-up."""
-    import io
-    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-    encoding = env.get("PYTHONIOENCODING", "").split(":")[0] or "utf-8"
-
-    def stream(fd, mode, errors, line):
-        raw = io.FileIO(fd, mode[0], closefd=False)
-        if mode == "rb":
-            return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding, errors=errors)
-        return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=encoding, errors=errors,
-                                line_buffering=line, write_through=unbuffered)
-
-    sys.stdin = sys.__stdin__ = stream(0, "rb", "strict", False)
-    sys.stdout = sys.__stdout__ = stream(1, "wb", "strict", os.isatty(1))
-    sys.stderr = sys.__stderr__ = stream(2, "wb", "backslashreplace", True)
-
 
 _TOKENIZERS: dict[str, tuple] = {}  # in the zygote: key -> (files' fingerprint, tokenizer)
 
@@ -184,7 +167,7 @@ def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: 
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    _fresh_stdio(request["env"])
+    fresh_stdio(request["env"])
     import random
     random.seed()
     with contextlib.suppress(Exception):
@@ -215,26 +198,7 @@ def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: 
     except BaseException as exc:  # noqa: BLE001 - what the interpreter does with any uncaught exception
         _print_exception(exc, argv)
         code = 1
-    _exit(code)
-
-
-def _exit(code) -> None:
-    """The interpreter's shutdown up to module teardown: non-daemon threads joined, atexit handlers run, streams
-    flushed; then the exit status (the teardown of the zygote's preloaded modules is skipped: ~0.5 s)."""
-    import atexit
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    with contextlib.suppress(BaseException):
-        threading._shutdown()
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
-    os._exit(code & 0xFF)
+    exit_like_python(code)
 
 
 def _print_exception(exc: BaseException, argv: list[str]) -> None:
@@ -257,13 +221,7 @@ def serve(path: str) -> None:
     for module, attr in PRELOAD_ATTRS:
         getattr(sys.modules[module], attr)
     parent = os.getppid()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    wake_r, wake_w = os.pipe()  # SIGCHLD wakes the loop: a finished child is reported at once
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    listener, wake_r, wake_w = zygote_socket(path)
     learn_r, learn_w = os.pipe()  # children name the tokenizers they loaded (_share_tokenizers)
     os.set_blocking(learn_w, False)
     learned = b""
