@@ -455,6 +455,7 @@ class EngineZygote:
                  ready_timeout: float = READY_TIMEOUT_SEC):
         import tempfile
         venv, home = venv or resolve_venv(), home or resolve_home()
+        self._previous = os.environ.get(ENGINE_ZYGOTE_ENV)  # put back by close()
         self.folder = Path(folder or tempfile.mkdtemp(prefix="tinker-engine-zygote-"))
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / "engine-zygote.sock"
@@ -471,12 +472,11 @@ class EngineZygote:
         if not ready or self.proc.stdout.readline().strip() != b"ready":
             self.close()
             raise LocalError(f"the engine zygote did not start; log: {self.log}")
-        self._previous = os.environ.get(ENGINE_ZYGOTE_ENV)
         os.environ[ENGINE_ZYGOTE_ENV] = str(self.path)
 
     def close(self) -> None:
         if os.environ.get(ENGINE_ZYGOTE_ENV) == str(self.path):
-            if getattr(self, "_previous", None) is None:
+            if self._previous is None:
                 os.environ.pop(ENGINE_ZYGOTE_ENV, None)
             else:
                 os.environ[ENGINE_ZYGOTE_ENV] = self._previous

@@ -311,20 +311,26 @@ def import_time_env(env) -> list[tuple[str, str]]:
     return sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV))
 
 
-def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One JSON line and the fds sent with it (SCM_RIGHTS) from a zygote's client (also tests/forked_scripts.py)."""
+def accept_request(listener: socket.socket) -> tuple[socket.socket, dict, list[int]] | None:
+    """A zygote's next client: its connection, one JSON line and the fds sent with it (SCM_RIGHTS); None when the
+    client went away or sent no whole request (also tests/forked_scripts.py)."""
     import array
+    conn, _ = listener.accept()
     fds = array.array("i")
     data = b""
-    while not data.endswith(b"\n"):
-        msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
-        if not msg:
-            raise EOFError
-        data += msg
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-    return json.loads(data), list(fds)
+    try:
+        while not data.endswith(b"\n"):
+            msg, ancdata, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
+            if not msg:
+                raise EOFError
+            data += msg
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+        return conn, json.loads(data), list(fds)
+    except (EOFError, ValueError, OSError):
+        conn.close()
+        return None
 
 
 def zygote_socket(path: str) -> tuple[socket.socket, int, int]:
@@ -373,6 +379,34 @@ def fresh_stdio(env: dict) -> None:
     sys.stdin = sys.__stdin__ = stream(0, "rb", "strict", False)
     sys.stdout = sys.__stdout__ = stream(1, "wb", "strict", os.isatty(1))
     sys.stderr = sys.__stderr__ = stream(2, "wb", "backslashreplace", True)
+
+
+def become_forked_child(request: dict, fds: list[int], sockets, pipe_fds) -> None:
+    """In a zygote's forked child: close the zygote's sockets and pipe ends, take the asker's fds 0-2, signals as a
+    fresh interpreter has them, its working directory and environment, new sys streams and random state (also
+    tests/forked_scripts.py)."""
+    import random
+    signal.set_wakeup_fd(-1)
+    for sock in sockets:
+        sock.close()
+    for fd in pipe_fds:
+        os.close(fd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    fresh_stdio(request["env"])
+    random.seed()
+    with contextlib.suppress(Exception):
+        import numpy
+        numpy.random.seed()
 
 
 def exit_like_python(code) -> None:
@@ -437,14 +471,13 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                     continue
-                conn, _ = listener.accept()
-                try:
-                    request, fds = recv_request(conn)
-                except (EOFError, ValueError, OSError):
-                    conn.close()
+                accepted = accept_request(listener)
+                if accepted is None:
                     continue
-                if len(fds) != 3 or import_time_env(request["env"]) != own:
-                    differ = sorted(set(import_time_env(request["env"])) ^ set(own))
+                conn, request, fds = accepted
+                asked = import_time_env(request["env"])
+                if len(fds) != 3 or asked != own:
+                    differ = sorted(set(asked) ^ set(own))
                     print(f"engine zygote: declined (import-time environment differs: "
                           f"{sorted({k for k, _ in differ})})", file=sys.stderr, flush=True)
                     conn.sendall(b'{"pid": null}\n')
@@ -475,30 +508,10 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
 
 def _engine_child(request: dict, fds: list[int], sockets, wake: tuple[int, int]) -> None:
     """In the forked child: become `tinker_local_server.py engine ARGS` as the asking process would have run it."""
-    import random
     import runpy
 
-    signal.set_wakeup_fd(-1)
-    for sock in sockets:
-        sock.close()
-    for fd in wake:
-        os.close(fd)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    for fd in set(fds):
-        if fd > 2:
-            os.close(fd)
+    become_forked_child(request, fds, sockets, wake)
     os.setpgid(0, 0)  # the engine's "exit with parent" takes its own group down, never the zygote's
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    fresh_stdio(request["env"])
-    random.seed()
-    import numpy
-    numpy.random.seed()
     sys.argv = [str(HERE), "engine", *request["argv"]]
     code = 0
     try:

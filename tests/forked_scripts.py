@@ -58,10 +58,10 @@ def _server_module():
     return module
 
 
-# the engine zygote's request and exit reporting (tinker_local.EngineZygote), shared
+# the engine zygote's (tinker_local.EngineZygote) socket, request, child set-up and exit reporting, shared
 _SERVER = _server_module()
-recv_request, report_exits = _SERVER.recv_request, _SERVER.report_exits
-fresh_stdio, exit_like_python, zygote_socket = _SERVER.fresh_stdio, _SERVER.exit_like_python, _SERVER.zygote_socket
+accept_request, report_exits, zygote_socket = _SERVER.accept_request, _SERVER.report_exits, _SERVER.zygote_socket
+become_forked_child, exit_like_python = _SERVER.become_forked_child, _SERVER.exit_like_python
 
 # Imported once by the zygote: what the scripts import before their work (tinker imports torch).
 PRELOAD = ("numpy", "tinker", "transformers", "jinja2", "rich.console", "rich.progress", "rich.table", "httpx")
@@ -148,31 +148,8 @@ def _share_tokenizers(learn_fd: int) -> None:
 def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: tuple[int, int],
            learn: tuple[int, int]) -> None:
     """In the forked child: become the script's process, run it, exit as `python SCRIPT` would."""
-    signal.set_wakeup_fd(-1)
-    listener.close()
-    for c in conns:
-        c.close()
-    for fd in wake:
-        os.close(fd)
-    os.close(learn[0])
+    become_forked_child(request, fds, [listener, *conns], [*wake, learn[0]])
     _share_tokenizers(learn[1])
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    for fd in set(fds):
-        if fd > 2:
-            os.close(fd)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    fresh_stdio(request["env"])
-    import random
-    random.seed()
-    with contextlib.suppress(Exception):
-        import numpy
-        numpy.random.seed()
     argv = request["argv"]
     import runpy
     import types
@@ -245,12 +222,10 @@ def serve(path: str) -> None:
             return
         for sock in readable:
             if sock is listener:
-                conn, _ = listener.accept()
-                try:
-                    request, fds = recv_request(conn)
-                except (EOFError, ValueError, OSError):
-                    conn.close()
+                accepted = accept_request(listener)
+                if accepted is None:
                     continue
+                conn, request, fds = accepted
                 pid = os.fork()
                 if pid == 0:
                     _child(request, fds, listener, [conn, *running.values()], (wake_r, wake_w), (learn_r, learn_w))
