@@ -2044,8 +2044,41 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
 
 
+def length_groups(lengths: list[int], budget: int, round_up) -> list[tuple[list[int], int]]:
+    """A batch that does not fit the budget, cut into micro-batches by length: [(row indices, padded length)].
+    Rows go into buckets by round_up(length) (skyrl's shape buckets), longest first; each micro-batch holds
+    rows of one bucket, padded to that bucket rather than to the batch's longest row, and a power of two of
+    them that fits the budget (at least one), so few shapes compile."""
+    buckets: dict[int, list[int]] = {}
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        buckets.setdefault(round_up(lengths[i]), []).append(i)
+    groups = []
+    for padded, order in buckets.items():
+        while order:
+            fit = min(len(order), max(1, budget // max(1, padded)))
+            rows = 1 << (fit.bit_length() - 1)
+            groups.append((order[:rows], padded))
+            order = order[rows:]
+    return groups
+
+
+def sub_batch(prepared_batch, rows: list[int]):
+    """The rows of a PreparedModelPassBatch as a batch of their own, each row a request of its own
+    (request id "<id>#<row>"), for length-grouped micro-batches."""
+    count = len(prepared_batch.all_targets)
+    owner = {}
+    for request_id, model_id, start, end in prepared_batch.request_batch_slices:
+        for row in range(start, end):
+            owner[row] = (request_id, model_id)
+    update = {name: [value[i] for i in rows] for name, value in vars(prepared_batch).items()
+              if name.startswith("all_") and isinstance(value, list) and len(value) == count}
+    update["request_batch_slices"] = [(f"{owner[row][0]}#{row}", owner[row][1], j, j + 1) for j, row in enumerate(rows)]
+    return prepared_batch.model_copy(update=update)
+
+
 def shim_micro_batches(jax_backend) -> None:
     """G. Micro-batch model passes and sampling under a token budget (see the section comment)."""
+    from skyrl.tinker import types
     from skyrl.tx.utils.models import round_up_seq_len
 
     Impl = jax_backend.JaxBackendImpl
@@ -2054,25 +2087,47 @@ def shim_micro_batches(jax_backend) -> None:
     budget = micro_batch_tokens()
     model_pass, sample, micro_batch_size = Impl._model_pass, Impl.sample, Impl._micro_batch_size
 
+    def one_pass(self, prepared_batch, model_pass_fn, rows, padded, count):
+        self.__dict__["_micro_rows"] = rows
+        try:
+            return model_pass(self, prepared_batch, model_pass_fn)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise MemoryError(out_of_memory_message(str(exc), count, padded, rows, budget,
+                                                        "forward/forward_backward")) from None
+            raise
+        finally:
+            self.__dict__.pop("_micro_rows", None)
+
     def model_pass_in_micro_batches(self, prepared_batch, model_pass_fn):
         lengths = [len(t) for t in prepared_batch.all_targets]
         if not lengths:
             return model_pass(self, prepared_batch, model_pass_fn)
         padded = round_up_seq_len(max(lengths))
         rows = micro_batch_rows(padded, len(lengths), budget)
-        if rows < len(lengths):
-            jax_backend.logger.info(f"micro-batches: {len(lengths)} sequences padded to {padded} tokens, "
-                                    f"{rows} at a time ({MICRO_BATCH_TOKENS_ENV}={budget})")
-        self.__dict__["_micro_rows"] = rows
-        try:
-            return model_pass(self, prepared_batch, model_pass_fn)
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                raise MemoryError(out_of_memory_message(str(exc), len(lengths), padded, rows, budget,
-                                                        "forward/forward_backward")) from None
-            raise
-        finally:
-            self.__dict__.pop("_micro_rows", None)
+        if rows >= len(lengths):  # the whole batch fits: one pass, as skyrl runs it
+            return one_pass(self, prepared_batch, model_pass_fn, rows, padded, len(lengths))
+        # Rows of similar length together, each micro-batch padded to its own longest: a 16 x 8 RL batch
+        # of 100-380 tokens no longer pads every row to 384. Each row is its own per-sequence loss and
+        # gradient (summed, one mean per optim_step), so the grouping changes only the summation order.
+        groups = length_groups(lengths, budget, round_up_seq_len)
+        jax_backend.logger.info(
+            f"micro-batches: {len(lengths)} sequences padded to {padded} tokens, {len(groups[0][0])} at a time "
+            f"({MICRO_BATCH_TOKENS_ENV}={budget}); by length: {len(groups)} micro-batches of "
+            f"{sum(len(g) * p for g, p in groups)} padded tokens (not {len(lengths) * padded})")
+        outputs = {}
+        for members, group_padded in groups:
+            outputs.update(one_pass(self, sub_batch(prepared_batch, members), model_pass_fn, len(members),
+                                    group_padded, len(lengths)))
+        results = {}
+        for request_id, _, start, end in prepared_batch.request_batch_slices:
+            parts = [outputs[f"{request_id}#{row}"] for row in range(start, end)]
+            failed = [p for p in parts if not isinstance(p, types.ForwardBackwardOutput)]
+            assert all(not p.metrics for p in parts if not failed), "skyrl's model pass now returns metrics: merge them"
+            results[request_id] = failed[0] if failed else types.ForwardBackwardOutput(
+                loss_fn_output_type=parts[0].loss_fn_output_type,
+                loss_fn_outputs=[o for p in parts for o in p.loss_fn_outputs], metrics={})
+        return results
 
     def micro_batch_size_for_this_pass(self, total):
         rows = self.__dict__.get("_micro_rows")

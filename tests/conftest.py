@@ -4,6 +4,7 @@ import os
 import pytest
 
 import forked_scripts
+import shared_tokenizers
 from fixtures_local import *  # noqa: F401,F403
 from fixtures_local import common_module
 from fixtures_tokenizers import *  # noqa: F401,F403
@@ -39,9 +40,17 @@ def pytest_configure(config):
     forked_scripts.install()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """In a process that runs tests (not the xdist controller): AutoTokenizer.from_pretrained parses a tokenizer
+    once and lends it (tests/shared_tokenizers.py; TINKER_TEST_SHARE_TOKENIZERS=0 turns it off)."""
+    shared_tokenizers.install()
+
+
 def pytest_sessionfinish(session, exitstatus):
     _EXIT_STATUS.append(int(exitstatus))
     forked_scripts.uninstall()
+    shared_tokenizers.uninstall()
 
 
 @pytest.hookimpl(trylast=True)

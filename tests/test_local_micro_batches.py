@@ -1,9 +1,9 @@
 """Micro-batching in the local backend (tinker_local_server.py shim group G): a batch cut into micro-batches
 gives the unsplit batch's losses, logprobs, gradient step and samples.
 
-One server of its own runs with TINKER_LOCAL_MICRO_BATCH_TOKENS=16, so a batch of four sequences (padded to
-32 tokens) runs one sequence per micro-batch, each recomputing its two LM-head chunks (the path of a
-sequence longer than the budget), and sampling runs one row at a time; the session's server (default budget 512) runs the same batch unsplit.
+One server of its own runs with TINKER_LOCAL_MICRO_BATCH_TOKENS=16, so a batch of four sequences (one padded
+to 48 tokens, three to 32) runs one sequence per micro-batch, each padded to its own length and recomputing its
+LM-head chunks (the path of a sequence longer than the budget), and sampling runs one row at a time; the session's server (default budget 512) runs the same batch unsplit.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import tinker_local
 
 BUDGET = 16
 TEXTS = ["Short one.",
-         "A sentence of middling length about rivers, bridges and the boats that pass below them.",
+         "A longer sentence about rivers, bridges and the boats that pass below them, the locks that raise them "
+         "and the keepers who open the gates at dawn, long before the first barges of the morning arrive.",
          "Micro-batches must not change a loss: each sequence's loss is its own, summed over the batch.",
          "Tiny."]
 
@@ -75,7 +76,7 @@ def test_a_micro_batched_batch_gives_the_unsplit_losses_logprobs_step_and_sample
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(local_tinker.tokenizer_dir))
     data = datums(tokenizer)
     lengths = [d.model_input.length for d in data]
-    assert max(lengths) > BUDGET  # padded to 32: one row per micro-batch, two remat chunks each
+    assert 32 < max(lengths) <= 48 and sorted(lengths)[-2] <= 32  # padded to 48 and 32: one row per micro-batch
     prompt = tokenizer.encode(TEXTS[2])
     unsplit = run_on(local_tinker.client_env, local_tinker.model, data, prompt)
     monkeypatch.setenv("TINKER_LOCAL_MICRO_BATCH_TOKENS", str(BUDGET))
@@ -95,7 +96,8 @@ def test_a_micro_batched_batch_gives_the_unsplit_losses_logprobs_step_and_sample
     assert split["tokens"] == unsplit["tokens"]
     assert split["prompt_logprobs"][0] is None and unsplit["prompt_logprobs"][0] is None
     assert split["prompt_logprobs"][1:] == pytest.approx(unsplit["prompt_logprobs"][1:], abs=1e-4)
-    assert "micro-batches: 4 sequences padded to 32 tokens, 1 at a time" in log  # it did split
+    assert "micro-batches: 4 sequences padded to 48 tokens, 1 at a time" in log  # it did split
+    assert "by length: 4 micro-batches of 144 padded tokens (not 192)" in log  # each row padded to its own
     assert "micro-batches: sampling 4 rows" in log
     assert "RESOURCE_EXHAUSTED" not in log
 
@@ -108,6 +110,32 @@ def test_micro_batch_rows_fit_the_budget_in_powers_of_two():
     assert server.micro_batch_rows(96, 128, 1024) == 8  # 10 fit; 8 keeps the shapes few
     assert server.micro_batch_rows(32, 4, 512) == 4  # the whole batch fits: one pass, as before
     assert server.micro_batch_rows(1024, 128, 0) == 128  # 0 = off
+
+
+def test_length_groups_pad_each_micro_batch_to_its_own_longest_row():
+    server = server_module()
+    lengths = [380, 100, 120, 300, 33, 32, 31, 30, 29, 10, 200]
+    groups = server.length_groups(lengths, 512, server_round_up())
+    assert sorted(i for rows, _ in groups for i in rows) == list(range(len(lengths)))  # every row once
+    for rows, padded in groups:
+        assert padded == server_round_up()(max(lengths[i] for i in rows))
+        assert len(rows) & (len(rows) - 1) == 0  # a power of two: few shapes
+        assert len(rows) == 1 or len(rows) * padded <= 512
+    assert groups == [([0], 384), ([3], 384), ([10], 256), ([2, 1], 128), ([4], 48), ([5, 6, 7, 8], 32), ([9], 32)]
+    assert sum(len(rows) * padded for rows, padded in groups) < len(lengths) * 384
+    assert server.length_groups([40] * 5, 64, server_round_up()) == [([0], 48), ([1], 48), ([2], 48), ([3], 48),
+                                                                     ([4], 48)]
+
+
+def server_round_up():
+    """skyrl's round_up_seq_len (two significant binary digits, at least 32), for tests without the server venv."""
+    def round_up(n):
+        if n <= 32:
+            return 32
+        top = 1 << (n.bit_length() - 1)
+        half = top >> 1
+        return top + half if n <= top + half and n > top else (top if n == top else top * 2)
+    return round_up
 
 
 def test_an_out_of_memory_answer_names_the_shape_the_limit_and_what_to_lower():
