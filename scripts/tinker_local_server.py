@@ -78,7 +78,8 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
   G. Memory (TINKER_LOCAL_MICRO_BATCH_TOKENS=N sets the budget, default 512 padded tokens; 0 turns G off)
      model_passes_hold_the_whole_batchs_logits  forward, forward_backward and sampling run in
                                  micro-batches of at most N padded tokens (skyrl's gradient
-                                 accumulation: the same losses and logprobs as one batch); a
+                                 accumulation: the same losses and logprobs as one batch), rows
+                                 grouped by length bucket, each micro-batch padded to its own; a
                                  sequence longer than N recomputes its LM-head chunks in the
                                  backward pass; an out-of-memory error names the limit and what
                                  to lower                                       none known
@@ -409,6 +410,60 @@ def become_forked_child(request: dict, fds: list[int], sockets, pipe_fds) -> Non
         numpy.random.seed()
 
 
+def tokenizer_key(args: tuple, kwargs: dict) -> str | None:
+    """The key of an AutoTokenizer.from_pretrained(name, **kwargs) a zygote may share; None: never shared
+    (remote code, more positional arguments, keywords that are not plain data)."""
+    if len(args) != 1 or not isinstance(args[0], (str, os.PathLike)) or kwargs.get("trust_remote_code"):
+        return None
+    try:
+        return json.dumps([os.fspath(args[0]), kwargs], sort_keys=True)
+    except TypeError:
+        return None
+
+
+def tokenizer_files(name: str) -> tuple | None:
+    """(file name, size, mtime) of what from_pretrained(name) reads: the folder, or the hub cache's snapshot of
+    `main`; None when neither is found (never shared)."""
+    folder = name
+    if not os.path.isdir(folder):
+        from huggingface_hub import constants
+        repo = os.path.join(constants.HF_HUB_CACHE, "models--" + name.replace("/", "--"))
+        try:
+            with open(os.path.join(repo, "refs", "main")) as f:
+                folder = os.path.join(repo, "snapshots", f.read().strip())
+        except OSError:
+            return None
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)
+                            if e.is_file()))
+    except OSError:
+        return None
+
+
+def lend_held_tokenizers(held: dict, on_miss=None) -> None:
+    """In a zygote's forked child: the first AutoTokenizer.from_pretrained of each key returns the tokenizer the
+    zygote holds (held: key -> (files' fingerprint, tokenizer)) if its files are unchanged: the fork's own copy,
+    parsed once (~0.6 s of CPU for Qwen3's). Later calls, and keys not held, load as usual; on_miss(key) hears of
+    a key the zygote lacks. Also tests/forked_scripts.py."""
+    from transformers import AutoTokenizer
+    original = AutoTokenizer.from_pretrained.__func__
+    used: set[str] = set()
+
+    def from_pretrained(cls, *args, **kwargs):
+        key = tokenizer_key(args, kwargs)
+        if key is None or key in used:
+            return original(cls, *args, **kwargs)
+        used.add(key)
+        entry = held.get(key)
+        if entry is not None and entry[0] == tokenizer_files(os.fspath(args[0])):
+            return entry[1]
+        if entry is None and on_miss is not None:
+            on_miss(key)
+        return original(cls, *args, **kwargs)
+
+    AutoTokenizer.from_pretrained = classmethod(from_pretrained)
+
+
 def exit_like_python(code) -> None:
     """In a forked child: the interpreter's shutdown up to module teardown (non-daemon threads joined, atexit
     handlers run, streams flushed), then SystemExit's code as the exit status; the teardown of the zygote's
@@ -434,8 +489,8 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
     runs this file fresh as `tinker_local_server.py engine ARGS` (the argv, environment, working directory and
     fds 0-2 of the process that asked: `engine_from_zygote`). XLA is never initialised here (its threads would
     not survive a fork): every child starts its own runtime. `warm_model`: a model folder whose tokenizer and
-    config are loaded once, for transformers' lazily imported modules. Exits with its parent, killing its
-    children."""
+    config are loaded once (transformers' lazily imported modules; an engine's first load of that tokenizer gets
+    the zygote's, the fork's own copy). Exits with its parent, killing its children."""
     import importlib
     import select
 
@@ -444,10 +499,12 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
     shim_typing()
     for name in ZYGOTE_PRELOAD:
         importlib.import_module(name)
+    held = {}
     if warm_model is not None:
         from transformers import AutoConfig, AutoTokenizer
         AutoConfig.from_pretrained(warm_model)
-        AutoTokenizer.from_pretrained(warm_model)
+        held[tokenizer_key((str(warm_model),), {})] = (tokenizer_files(str(warm_model)),
+                                                        AutoTokenizer.from_pretrained(str(warm_model)))
     from jax._src import xla_bridge
     if xla_bridge._backends:
         print("engine zygote: XLA was initialised while importing; not forking", file=sys.stderr)
@@ -490,7 +547,7 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
                 pid = os.fork()
                 if pid == 0:
                     request["env"] = {**imports_set, **request["env"]}
-                    _engine_child(request, list(fds), [listener, conn, *running.values()], (wake_r, wake_w))
+                    _engine_child(request, list(fds), [listener, conn, *running.values()], (wake_r, wake_w), held)
                 for fd in set(fds):
                     os.close(fd)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -506,11 +563,13 @@ def engine_zygote(path: str, warm_model: Path | None) -> int:
     return 0
 
 
-def _engine_child(request: dict, fds: list[int], sockets, wake: tuple[int, int]) -> None:
-    """In the forked child: become `tinker_local_server.py engine ARGS` as the asking process would have run it."""
+def _engine_child(request: dict, fds: list[int], sockets, wake: tuple[int, int], held: dict) -> None:
+    """In the forked child: become `tinker_local_server.py engine ARGS` as the asking process would have run it;
+    the engine's load of the warm model's tokenizer is the zygote's (lend_held_tokenizers)."""
     import runpy
 
     become_forked_child(request, fds, sockets, wake)
+    lend_held_tokenizers(held)
     os.setpgid(0, 0)  # the engine's "exit with parent" takes its own group down, never the zygote's
     sys.argv = [str(HERE), "engine", *request["argv"]]
     code = 0
@@ -2000,7 +2059,8 @@ def shim_wakeups_engine(engine) -> None:
 # every chunk's full-vocabulary logits for the backward pass: 128 sequences x ~260 tokens asked for
 # 33.6 GB ("RESOURCE_EXHAUSTED: Out of memory allocating 33618728856 bytes"). G cuts each batch into
 # micro-batches of at most TINKER_LOCAL_MICRO_BATCH_TOKENS padded tokens (skyrl's own gradient-
-# accumulation loop: per-sequence losses summed, gradients summed, one optim_step mean), recomputes a
+# accumulation loop: per-sequence losses summed, gradients summed, one optim_step mean; rows grouped by
+# skyrl's length bucket, so each micro-batch is padded to its own bucket, not the batch's longest), recomputes a
 # chunk's logits in the backward pass when one sequence alone is longer than the budget, and samples
 # in row groups under the same budget. Losses and logprobs are the unsplit call's (tested).
 

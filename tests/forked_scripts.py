@@ -62,6 +62,9 @@ def _server_module():
 _SERVER = _server_module()
 accept_request, report_exits, zygote_socket = _SERVER.accept_request, _SERVER.report_exits, _SERVER.zygote_socket
 become_forked_child, exit_like_python = _SERVER.become_forked_child, _SERVER.exit_like_python
+# a tokenizer parsed once: its key, its files' fingerprint, a forked child's first load of it
+tokenizer_key, tokenizer_files, lend_held_tokenizers = (_SERVER.tokenizer_key, _SERVER.tokenizer_files,
+                                                        _SERVER.lend_held_tokenizers)
 
 # Imported once by the zygote: what the scripts import before their work (tinker imports torch).
 PRELOAD = ("numpy", "tinker", "transformers", "jinja2", "rich.console", "rich.progress", "rich.table", "httpx")
@@ -79,41 +82,13 @@ ALLOWED = {"capture_output", "stdout", "stderr", "stdin", "input", "text", "univ
 _TOKENIZERS: dict[str, tuple] = {}  # in the zygote: key -> (files' fingerprint, tokenizer)
 
 
-def _tokenizer_key(args: tuple, kwargs: dict) -> str | None:
-    if len(args) != 1 or not isinstance(args[0], (str, os.PathLike)) or kwargs.get("trust_remote_code"):
-        return None
-    try:
-        return json.dumps([os.fspath(args[0]), kwargs], sort_keys=True)
-    except TypeError:  # a keyword that is not plain data
-        return None
-
-
-def _tokenizer_files(name: str) -> tuple | None:
-    """(file name, size, mtime) of what from_pretrained(name) reads: the folder, or the hub cache's snapshot of
-    `main`; None when neither is found (never shared)."""
-    folder = name
-    if not os.path.isdir(folder):
-        from huggingface_hub import constants
-        repo = os.path.join(constants.HF_HUB_CACHE, "models--" + name.replace("/", "--"))
-        try:
-            with open(os.path.join(repo, "refs", "main")) as f:
-                folder = os.path.join(repo, "snapshots", f.read().strip())
-        except OSError:
-            return None
-    try:
-        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder)
-                            if e.is_file()))
-    except OSError:
-        return None
-
-
 def _learn_tokenizer(line: bytes) -> None:
     """In the zygote, between forks: load a tokenizer a child loaded, for the children after it."""
     key = line.decode()
     if key in _TOKENIZERS:
         return
     name, kwargs = json.loads(key)
-    files = _tokenizer_files(name)
+    files = tokenizer_files(name)
     if files is None:
         return
     with contextlib.suppress(Exception):
@@ -124,25 +99,11 @@ def _learn_tokenizer(line: bytes) -> None:
 def _share_tokenizers(learn_fd: int) -> None:
     """In the child: the first from_pretrained of each (name, keywords) returns the zygote's copy if its files are
     unchanged; a load the zygote lacks is reported on learn_fd."""
-    from transformers import AutoTokenizer
-    original = AutoTokenizer.from_pretrained.__func__
-    used: set[str] = set()
+    def learn(key: str) -> None:
+        with contextlib.suppress(OSError):
+            os.write(learn_fd, key.encode() + b"\n")
 
-    def from_pretrained(cls, *args, **kwargs):
-        key = _tokenizer_key(args, kwargs)
-        if key is None or key in used:
-            return original(cls, *args, **kwargs)
-        used.add(key)
-        held = _TOKENIZERS.get(key)
-        if held is not None and held[0] == _tokenizer_files(os.fspath(args[0])):
-            return held[1]
-        tokenizer = original(cls, *args, **kwargs)
-        if held is None:
-            with contextlib.suppress(OSError):
-                os.write(learn_fd, key.encode() + b"\n")
-        return tokenizer
-
-    AutoTokenizer.from_pretrained = classmethod(from_pretrained)
+    lend_held_tokenizers(_TOKENIZERS, learn)
 
 
 def _child(request: dict, fds: list[int], listener: socket.socket, conns, wake: tuple[int, int],

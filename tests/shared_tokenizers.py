@@ -101,7 +101,7 @@ def _clone(entry: _Entry):
 
 
 def _lend(key: str, name: str, load):
-    files = forked_scripts._tokenizer_files(name)
+    files = forked_scripts.tokenizer_files(name)
     if files is None:
         return None
     with _LOCK:
@@ -134,7 +134,7 @@ def install() -> bool:
     original = _ORIGINAL.__func__
 
     def from_pretrained(cls, *args, **kwargs):
-        key = forked_scripts._tokenizer_key(args, kwargs)
+        key = forked_scripts.tokenizer_key(args, kwargs)
         if key is not None:
             shared = _lend(key, os.fspath(args[0]), lambda: original(cls, *args, **kwargs))
             if shared is not None:

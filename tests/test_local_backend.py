@@ -865,6 +865,39 @@ def wait_gone(pid: int, timeout: float = 60.0) -> bool:
     return not Path(f"/proc/{pid}").exists()
 
 
+LEND = textwrap.dedent("""
+    import importlib.util, os, sys
+    spec = importlib.util.spec_from_file_location("server", sys.argv[1])
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    folder, held, stale, missed = sys.argv[2], object(), object(), []
+    files = server.tokenizer_files(folder)
+    server.lend_held_tokenizers({server.tokenizer_key((folder,), {}): (files, held),
+                                 server.tokenizer_key((folder,), {"padding_side": "right"}): (files, stale)},
+                                missed.append)
+    from transformers import AutoTokenizer
+    first, second = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    left = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    config = os.path.join(folder, "tokenizer_config.json")
+    os.utime(config, ns=(os.stat(config).st_atime_ns, os.stat(config).st_mtime_ns + 10**9))  # edited since
+    right = AutoTokenizer.from_pretrained(folder, padding_side="right")
+    print(first is held, second is held, second.encode("hi") == [6023], left.padding_side, len(missed),
+          right is stale, right.padding_side)
+""")
+
+
+def test_a_forked_engine_gets_its_zygotes_tokenizer_once_and_never_stale(tmp_path, offline_tokenizer):
+    """The engine zygote's child (and the scripts' zygote's): the first load of a held tokenizer is the zygote's
+    object, a second load is parsed afresh, another key is reported as missed, edited files are parsed again."""
+    import shutil
+    folder = tmp_path / "tok"
+    shutil.copytree(offline_tokenizer("Qwen3-8B"), folder)
+    done = subprocess.run([sys.executable, "-c", LEND, str(SERVER), str(folder)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False", "True", "left", "1", "False", "right"]
+
+
 @pytest.mark.e2e
 def test_engine_zygote_forks_engines_that_train_and_die_with_their_server(installed, tmp_path, monkeypatch):
     """tinker_local.EngineZygote (the test session runs every server's engine through one): the engine is the
