@@ -305,7 +305,8 @@ ZYGOTE_PRELOAD = ("numpy", "torch", "transformers", "peft", "safetensors", "sqlm
                   "skyrl.tx.models.qwen3", "skyrl.tx.models.llama3", "skyrl.tx.models.deepseekv3")
 # Read when those packages are imported: an engine whose values differ from the zygote's starts as its own process.
 IMPORT_TIME_ENV = ("JAX_", "XLA_", "TF_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_",
-                   "MKL_", "OPENBLAS_", "NUMPY_", "NPY_", "PYTHON", "LANG", "LC_", "CUDA", "ABSL")
+                   "MKL_", "OPENBLAS_", "NUMPY_", "NPY_", "PYTHON", "LANG", "LC_", "CUDA", "ABSL",
+                   "GLIBC_TUNABLES", "MALLOC_", "LD_")  # the last three: read when a process starts
 
 
 def import_time_env(env) -> list[tuple[str, str]]:
@@ -2008,6 +2009,16 @@ def shim_wakeups_api(api) -> None:
     api.app.add_middleware(WakeEngineAfterPosts)
 
 
+def return_freed_memory() -> None:
+    """glibc's malloc_trim(0): the free pages of the heap go back to the system. The launcher starts the server
+    with one malloc arena and no per-allocation mmap (tinker_local.MALLOC_TUNABLES), so XLA's temporary buffers
+    are reused from the heap between micro-batches instead of mapped and faulted in afresh each time; an engine
+    that has been idle for a second returns them. A no-op without glibc."""
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def shim_wakeups_engine(engine) -> None:
     """The engine half of shim_wakeups_api: wait on the wake socket instead of sleeping 100 ms. An iteration
     that found work is followed by another at once; one that found none waits for a datagram, or IDLE_WAIT_S
@@ -2040,15 +2051,19 @@ def shim_wakeups_engine(engine) -> None:
 
     def process_until_woken(self):
         send(b"hello", api_address)  # tells the API where the engine listens
-        found = frozenset()
+        found, worked = frozenset(), False
         while True:
             found, before = self.process_pending_requests_once(), found
+            worked = worked or bool(found)
             if found and found != before:  # it found new work: read again at once (ops queued behind an
                 continue                   # optim_step are not announced again); the same ids twice: wait
             if select.select([wake], [], [], IDLE_WAIT_S)[0]:
                 with contextlib.suppress(BlockingIOError, InterruptedError):
                     while wake.recv(64):
                         pass
+            elif worked:  # a second without work after some: the heap kept for the work goes back
+                worked = False
+                return_freed_memory()
 
     TinkerEngine._complete_futures = complete_and_tell
     TinkerEngine.process_pending_requests = process_until_woken
