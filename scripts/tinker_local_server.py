@@ -93,7 +93,8 @@ asserts its target first, and is listed by `gaps` with whether unpatched skyrl s
 
 **Outputs:** `check` prints "shims ok: ..."; `gaps` prints one JSON object {gap: still open?}.
 **Requires:** the server venv; environment from tinker_local.py (TINKER_LOCAL_READY_FILE,
-TINKER_LOCAL_MAX_CONTEXT, TINKER_LOCAL_EXTRA_MODELS); optional TINKER_LOCAL_ENGINE_ZYGOTE=SOCKET (the engine is forked there when its import-time environment matches), TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
+TINKER_LOCAL_MAX_CONTEXT, TINKER_LOCAL_EXTRA_MODELS; GLIBC_TUNABLES: one malloc arena, no per-allocation mmap,
+so XLA's freed buffers are reused, returned after a second idle); optional TINKER_LOCAL_ENGINE_ZYGOTE=SOCKET (the engine is forked there when its import-time environment matches), TINKER_LOCAL_SPEED=0 (F off), TINKER_LOCAL_MICRO_BATCH_TOKENS (G) and TINKER_LOCAL_PROFILE=FILE
 (both processes append one JSON line per request event: benchmarks/local_backend_profile.py).
 """
 from __future__ import annotations
