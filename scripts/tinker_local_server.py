@@ -2199,8 +2199,11 @@ def shim_micro_batches(jax_backend) -> None:
         for request_id, _, start, end in prepared_batch.request_batch_slices:
             parts = [outputs[f"{request_id}#{row}"] for row in range(start, end)]
             failed = [p for p in parts if not isinstance(p, types.ForwardBackwardOutput)]
-            assert all(not p.metrics for p in parts if not failed), "skyrl's model pass now returns metrics: merge them"
-            results[request_id] = failed[0] if failed else types.ForwardBackwardOutput(
+            if failed:  # a row's error answers its whole request
+                results[request_id] = failed[0]
+                continue
+            assert not any(p.metrics for p in parts), "skyrl's model pass now returns metrics: merge them"
+            results[request_id] = types.ForwardBackwardOutput(
                 loss_fn_output_type=parts[0].loss_fn_output_type,
                 loss_fn_outputs=[o for p in parts for o in p.loss_fn_outputs], metrics={})
         return results
