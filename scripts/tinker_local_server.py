@@ -10,6 +10,7 @@ only, in the user's Python) starts it. Nothing here is run by hand.
     tinker_local_server.py engine <flags>                                # re-entered by the api process
     tinker_local_server.py engine-zygote SOCKET [MODEL_DIR]              # forks engines (tinker_local.EngineZygote)
     tinker_local_server.py build-model OUT_DIR SPEC_JSON                 # the tiny model, at setup
+    tinker_local_server.py build-real-model OUT_DIR GGUF_FILE SPEC_JSON  # the real model, at setup --real
     tinker_local_server.py check | gaps                                  # shims apply / gaps still open
 
 **Edit:** nothing; a skyrl or tinker bump means re-checking every shim (`gaps`, tests/test_local_backend.py).
@@ -125,6 +126,8 @@ def main(argv: list[str]) -> int:
     role, rest = argv[0], argv[1:]
     if role == "build-model":
         return build_tiny_model(Path(rest[0]), json.loads(rest[1]))
+    if role == "build-real-model":
+        return build_real_model(Path(rest[0]), Path(rest[1]), json.loads(rest[2]))
     shim_typing()
     if role == "check":
         return check_shims()
@@ -215,6 +218,56 @@ def build_tiny_model(out_dir: Path, spec: dict) -> int:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out_dir)
     print(f"tiny Qwen3 written to {out_dir}")
+    return 0
+
+
+def build_real_model(out_dir: Path, gguf_file: Path, spec: dict) -> int:
+    """A Hugging Face folder (fp32 safetensors, tokenizer, chat template) from a GGUF file: transformers reads
+    GGUF with the `gguf` package and dequantizes it; a model loaded that way refuses save_pretrained ("quantized
+    with gguf"), so its state dict goes into a fresh model of the same config without quantization_config.
+    spec = {"key": fingerprint, "name": the model's hub name, ...}; the marker tinker-local-model.json carries it."""
+    import torch
+    import transformers
+
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    for attr in ("quantization_config", "_name_or_path"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    model = type(loaded)(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    # a tied output head has no tensor of its own in the GGUF: load_state_dict reports it missing, tie_weights fills it
+    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+    model.tie_weights()
+    del loaded
+    # transformers' GGUF tokenizer takes eos from the wrong field (SmolLM2's came out as <|im_start|>): the model
+    # config's ids are the GGUF's own (eos 2 = <|im_end|>, the end of every ChatML turn)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(config.eos_token_id)
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(config.pad_token_id or config.eos_token_id)
+    tokenizer.model_max_length = config.max_position_embeddings
+    assert tokenizer.chat_template, "the GGUF carries no chat template"
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    # the class every transformers the bundle supports (4.51 and 5.x) loads from tokenizer.json alone
+    settings = json.loads((tmp / "tokenizer_config.json").read_text())
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+    settings["clean_up_tokenization_spaces"] = False  # True strips spaces before punctuation from a BPE decode
+    for loader_only in ("is_local", "local_files_only"):
+        settings.pop(loader_only, None)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    (tmp / "tinker-local-model.json").write_text(json.dumps(
+        {"config": spec["key"], "name": spec["name"], "params": sum(p.numel() for p in model.parameters()),
+         "architecture": type(model).__name__, "source": spec.get("source"), "eos": tokenizer.eos_token}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    print(f"{spec['name']} written to {out_dir} ({type(model).__name__}, "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters)")
     return 0
 
 
