@@ -14,6 +14,7 @@ from pathlib import Path
 
 from errors import BudgetError, DataError, ScriptError, one_line, say  # splice: drop
 from flags import check_free_space  # splice: drop
+from rehearsal import backend_record  # splice: drop
 from render import tokenizer_record  # splice: drop
 from run_files import FolderBusy, acquire_lock, holder_alive, jsonl_lines, release_lock  # splice: drop
 
@@ -220,6 +221,11 @@ class Run:
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
         if saved_fmt and saved_fmt != config.get("format"):
             diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        trained_on, here = (saved.get("backend") or {}).get("stand_in"), backend_record()["stand_in"]
+        if saved.get("backend") and trained_on != here:  # a checkpoint of one model restored into another
+            diffs.append(f"the model standing in ({trained_on or 'Tinker itself'} -> {here or 'Tinker itself'}: resume "
+                         "under the launcher it trained with, `tinker_local.py run" +
+                         (" --real" if (saved["backend"].get("stand_in_kind") == "real") else "") + " -- ...`)")
         if diffs:
             raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
                             "resume with the original flags (or start a new --log-path)")
@@ -230,7 +236,7 @@ class Run:
         self.began = True
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
-        self.write_json("config.json", {**config, **cookbook_config_fields(config)})
+        self.write_json("config.json", {**config, "backend": backend_record(), **cookbook_config_fields(config)})
 
     def rewind(self, name, keep) -> None:
         """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""

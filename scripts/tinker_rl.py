@@ -924,7 +924,7 @@ def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
     return observation, step_reward, done, info
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, render, run_files, run_record, service, training, onpolicy, rollouts) ====
+# ==== SHARED CODE (generated from common/: errors, flags, rehearsal, render, run_files, run_record, service, training, onpolicy, rollouts) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
@@ -1172,6 +1172,43 @@ def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
     if free < need_bytes:
         raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
                         f"{free / 2**20:,.0f} MiB are free; {fix}")
+
+
+# ---- common/rehearsal.py ----
+# The free rehearsal (--rehearse) on the local backend: which model stands in, each script's preset for it, and the
+# shape of the rehearsal's checks.
+#
+# `tinker_local.py run` exports TINKER_LOCAL_STAND_IN, the model standing in for the named one:
+# - the tiny random Qwen3 (default): the named model's exact tokenizer and chat template, so masks, token counts and
+#   datums are Qwen3's; it memorises a few short answers and nothing more;
+# - SmolLM2-135M-Instruct (`tinker_local.py run --real`): a real, weak instruct model with its own tokenizer and ChatML
+#   template; it follows a prompt, learns a user's answers, earns a user's reward and calls a tool after a warm-up.
+# Each preset below was measured on its model (references/setup.md, "Which model to rehearse on").
+import os
+from urllib.parse import urlsplit
+
+STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"
+TINY_STAND_IN = "tiny-qwen3"
+
+
+def stand_in() -> str | None:
+    """The model standing in on the local backend (from the launcher), or None (Tinker, or an unknown server)."""
+    return os.environ.get(STAND_IN_ENV) or None
+
+
+def real_stand_in() -> bool:
+    """True when a real model (`tinker_local.py run --real`) stands in: the rehearsal judges the user's task."""
+    return stand_in() not in (None, TINY_STAND_IN)
+
+
+def backend_record() -> dict:
+    """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
+    A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
+    name = stand_in()
+    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
+    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    return {"kind": "local" if local else "tinker", "stand_in": name,
+            "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
 # ---- common/render.py ----
@@ -1805,6 +1842,11 @@ class Run:
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
         if saved_fmt and saved_fmt != config.get("format"):
             diffs.append("format (tokenizer, chat template or --format/--thinking)")
+        trained_on, here = (saved.get("backend") or {}).get("stand_in"), backend_record()["stand_in"]
+        if saved.get("backend") and trained_on != here:  # a checkpoint of one model restored into another
+            diffs.append(f"the model standing in ({trained_on or 'Tinker itself'} -> {here or 'Tinker itself'}: resume "
+                         "under the launcher it trained with, `tinker_local.py run" +
+                         (" --real" if (saved["backend"].get("stand_in_kind") == "real") else "") + " -- ...`)")
         if diffs:
             raise DataError(f"--resume with different settings than the saved run: {'; '.join(diffs)}; "
                             "resume with the original flags (or start a new --log-path)")
@@ -1815,7 +1857,7 @@ class Run:
         self.began = True
         for name in self.files:
             self.file(name).unlink(missing_ok=True)
-        self.write_json("config.json", {**config, **cookbook_config_fields(config)})
+        self.write_json("config.json", {**config, "backend": backend_record(), **cookbook_config_fields(config)})
 
     def rewind(self, name, keep) -> None:
         """Keep only the rows where keep(row): rows past a resumed checkpoint will be produced again."""
@@ -2820,7 +2862,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 ed9ae3b4dc33) ====
+# ==== END SHARED CODE (sha256 adca5a9ea157) ====
 
 
 if __name__ == "__main__":
