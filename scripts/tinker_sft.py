@@ -1504,6 +1504,27 @@ CACHE_MIN_EXAMPLES = 1000  # below this rendering takes about a second: not wort
 _POOL_JOB = None  # (tokenizer, fmt, train_on, renderer), inherited by forked render workers
 
 
+def _without_reasoning_on_the_real_stand_in(examples):
+    """The local real model's ChatML template has no place for reasoning_content (rendering would stop with
+    "drops the reasoning_content"): on that stand-in the answers are trained alone, with a warning. The tiny model
+    keeps the named model's template, so a rehearsal there renders the reasoning exactly as Tinker will."""
+    if not real_stand_in():
+        return examples
+    dropped = 0
+    out = []
+    for ex in examples:
+        msgs = ex.get("messages") if isinstance(ex, dict) else None
+        if msgs and any(m.get("reasoning_content") for m in msgs):
+            dropped += 1
+            ex = {**ex, "messages": [{k: v for k, v in m.items() if k != "reasoning_content"} for m in msgs]}
+        out.append(ex)
+    if dropped:
+        say(f"warning: {dropped} example(s) carry reasoning_content, which the local real model's ChatML template "
+            "cannot render: trained on their answers alone here; rehearse on the tiny model (tinker_local.py run "
+            "without --real) to check how the named model's template renders the reasoning")
+    return out
+
+
 def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None, fast=True) -> list:
     """[(line, Rendered)] for every validated example, equal to render_example's; a RenderError names the
     example's line.
@@ -1514,6 +1535,7 @@ def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=No
     inherits the tokenizer; the per-datum checks run unchanged in the workers). With cache_dir, the
     result is kept in a file keyed by (examples, tokenizer, format, train_on, rendering code), so a
     --resume or a real run after a dry run reads it back instead of rendering again."""
+    examples = _without_reasoning_on_the_real_stand_in(examples)
     path = None
     if cache_dir is not None and len(examples) >= CACHE_MIN_EXAMPLES:
         path = Path(cache_dir) / f"{render_cache_key(examples, tokenizer, fmt, train_on)}.json"
@@ -2877,7 +2899,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 c42dcc779041) ====
+# ==== END SHARED CODE (sha256 15947a25a8a4) ====
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ import pytest
 
 import tinker_local
 
-__all__ = ["LocalTinker", "local_backend_install", "real_engines", "local_tinker", "local_sft_run", "local_rl_run",
+__all__ = ["LocalTinker", "local_backend_install", "real_engines", "local_tinker", "local_real_tinker",
+           "local_sft_run", "local_rl_run",
            "close_service_clients_made_by_the_test", "close_service_clients_made_by_the_module"]
 ROOT = Path(__file__).resolve().parent.parent
 # The last lines of a `python -c` program that uses the SDK: end through common/errors.exit_process, as the
@@ -100,10 +101,10 @@ class LocalTinker:
             monkeypatch.setenv(key, value)
 
 
-def _make(base_url: str, home: Path, server=None) -> LocalTinker:
-    added = tinker_local.client_env(base_url, home)
+def _make(base_url: str, home: Path, server=None, real: bool = False) -> LocalTinker:
+    added = tinker_local.client_env(base_url, home, real)
     return LocalTinker(base_url=base_url, model=tinker_local.DEFAULT_MODEL,
-                       tokenizer_dir=tinker_local.tiny_model_dir(home),
+                       tokenizer_dir=tinker_local.real_model_dir() if real else tinker_local.tiny_model_dir(home),
                        env={**os.environ, **added}, client_env=added, server=server)
 
 
@@ -139,7 +140,7 @@ def real_engines(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def close_service_clients_made_by_the_test(request):
-    if "local_tinker" not in request.fixturenames:
+    if "local_tinker" not in request.fixturenames and "local_real_tinker" not in request.fixturenames:
         yield
         return
     before = {id(c) for c in _service_clients}
@@ -176,6 +177,27 @@ def local_tinker(request):
         print(f"\nlocal tinker ready in {server.ready_seconds:.1f} s at {server.base_url} "
               f"(log {server.log})", file=sys.stderr)
         yield _make(server.base_url, home, server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def local_real_tinker(request):
+    """One server of the real model (SmolLM2-135M-Instruct, `tinker_local.py setup --real`, run once here: it is
+    idempotent) for the session's real-model tests: `model` is still Qwen/Qwen3-8B (the name it answers to),
+    `tokenizer_dir` the real model's folder, `env` carries its HF cache and TINKER_LOCAL_STAND_IN."""
+    untrack = _track_service_clients()
+    request.addfinalizer(untrack)
+    venv, home = request.getfixturevalue("local_backend_install")
+    try:
+        tinker_local.setup(venv, home, python=sys.executable if sys.version_info[:2] == (3, 11) else None, real=True)
+        server = tinker_local.start_server(tinker_local.DEFAULT_MODEL, venv=venv, home=home, real=True)
+    except tinker_local.LocalError as exc:
+        pytest.fail(f"local Tinker backend (real model): {exc}", pytrace=False)
+    try:
+        print(f"\nlocal tinker (real model) ready in {server.ready_seconds:.1f} s at {server.base_url} "
+              f"(log {server.log})", file=sys.stderr)
+        yield _make(server.base_url, home, server, real=True)
     finally:
         server.stop()
 
