@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -37,7 +38,7 @@ import pytest
 import tinker_local
 
 __all__ = ["LocalTinker", "local_backend_install", "real_engines", "local_tinker", "local_real_tinker",
-           "local_sft_run", "local_rl_run",
+           "local_real_sft_run", "local_sft_run", "local_rl_run",
            "close_service_clients_made_by_the_test", "close_service_clients_made_by_the_module"]
 ROOT = Path(__file__).resolve().parent.parent
 # The last lines of a `python -c` program that uses the SDK: end through common/errors.exit_process, as the
@@ -200,6 +201,28 @@ def local_real_tinker(request):
         yield _make(server.base_url, home, server, real=True)
     finally:
         server.stop()
+
+
+@dataclass
+class RealSftRun:
+    log: Path        # the run folder (never write into it: copy it first)
+    report: dict     # the JSON the script printed
+    stderr: str
+    returncode: int
+
+
+@pytest.fixture(scope="session")
+def local_real_sft_run(local_real_tinker, tmp_path_factory) -> RealSftRun:
+    """The SFT rehearsal on the user's own data on the real model, run once per session and shared by the tests that
+    judge it or start from it (RL --init-from its state_path, distillation from its checkpoint, evaluation):
+    `tinker_sft.py --rehearse --data templates/sft_example.jsonl` (the real-model preset: 48 steps, lr 2e-3 linear,
+    rank 32, batch 4, held-out NLL every 8 steps)."""
+    log = tmp_path_factory.mktemp("local_real_sft_run") / "runs" / "sft-real"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_sft.py"), "--rehearse", "--data",
+                          str(ROOT / "templates" / "sft_example.jsonl"), "--log-path", str(log)],
+                         capture_output=True, text=True, env=local_real_tinker.env, cwd=log.parent, timeout=1500)
+    lines = out.stdout.strip().splitlines()
+    return RealSftRun(log, json.loads(lines[-1]) if lines else {}, out.stderr, out.returncode)
 
 
 @pytest.fixture(scope="session")
