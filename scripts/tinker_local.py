@@ -800,6 +800,11 @@ def _remove_tree(folder: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _this_launcher() -> str:
+    """This launcher as a command that runs from anywhere: this interpreter and this file, shell-quoted."""
+    return f"{shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).resolve()))}"
+
+
 def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None = None,
                  home: Path | None = None, run_dir: Path | None = None,
                  ready_timeout: float = READY_TIMEOUT_SEC, weights: Path | None = None,
@@ -819,10 +824,10 @@ def start_server(model: str = DEFAULT_MODEL, port: int = 0, *, venv: Path | None
     own_run_dir = run_dir is not None
     if not is_set_up(venv, home):
         raise LocalError(f"the local backend is not set up in {venv}; run "
-                         f"`{sys.executable} {Path(__file__).resolve()} setup{' --real' if real else ''}` first")
+                         f"`{_this_launcher()} setup{' --real' if real else ''}` first")
     if real and not is_real_set_up():
         raise LocalError(f"the real model is not set up in {real_model_dir().parent}; run "
-                         f"`{sys.executable} {Path(__file__).resolve()} setup --real` first (once: ~1 min, 520 MB)")
+                         f"`{_this_launcher()} setup --real` first (once: ~1 min, 520 MB)")
     if real and weights is not None:
         raise LocalError("--real serves the real model; drop --weights (or drop --real to serve your own folder)")
     if run_dir is not None and _live_server_pid(Path(run_dir).resolve()) is not None:

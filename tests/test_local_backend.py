@@ -1210,7 +1210,7 @@ def test_a_tiny_model_cached_by_an_older_setup_is_not_served_until_setup_rebuild
     old_key = hashlib.sha256(json.dumps(tinker_local.TINY_QWEN3, sort_keys=True).encode()).hexdigest()[:16]
     marker.write_text(json.dumps({"config": old_key}))
     assert not tinker_local.is_set_up(venv, home)
-    with pytest.raises(tinker_local.LocalError, match="run `python scripts/tinker_local.py setup`"):
+    with pytest.raises(tinker_local.LocalError, match=r"tinker_local.py setup` first"):
         tinker_local.start_server(venv=venv, home=home)
     marker.write_text(json.dumps({"config": tinker_local.tiny_model_spec()["key"]}))
     assert tinker_local.is_set_up(venv, home)
