@@ -10,6 +10,7 @@ Each preset below was measured on its model (references/setup.md, "Which model t
 """
 from __future__ import annotations
 
+import math
 import os
 from urllib.parse import urlsplit
 
@@ -68,3 +69,88 @@ SFT_REHEARSAL = {
 # The real model passes an own-data rehearsal when at least this share of its probes (training prompts) answer
 # their trained answer word for word.
 REAL_PROBE_SHARE = 0.75
+# An own-data rehearsal passes when the training loss of the last quarter of its steps is below this share
+# of the first step's (the tiny model, 24 one-sentence answers, 40 steps: 22.6 -> 9-10, measured).
+REHEARSAL_LOSS_SHARE = 0.8
+
+
+def sft_rehearsal_checks(report, run, datums, total_steps, *, own_data):
+    """tinker_sft.py's rehearsal verdict (the loss masks were checked before training): on the built-in set, that
+    the model learnt it; on the user's data, that the pipeline is right and, on the real model, the task learnt."""
+    return _sft_own_data_checks(report, run, datums, total_steps) if own_data else _sft_built_in_checks(report)
+
+
+def _sft_own_data_checks(report, run, datums, total_steps):
+    """What a rehearsal on the user's own data can prove (check 1, the masks, ran before training): the datums
+    trained, the checkpoints were saved, the saved sampler samples, and the training loss fell. A tiny random
+    model cannot learn to answer other questions, nor always reproduce many answers in 40 steps: the probes
+    (training prompts) and the held-out NLL are reported, not judged (references/training-sft.md)."""
+    losses = [r["loss"] for r in run.rows("metrics.jsonl") if isinstance(r.get("loss"), (int, float))]
+    tail = losses[-max(1, len(losses) // 4):]
+    last = sum(tail) / len(tail) if tail else None
+    probes = report["eval"]["probes"]
+    sampled = [p for p in probes if "after" in p]
+    exact = sum(1 for p in probes if p.get("after", "").strip() == p["expected"].strip())
+    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
+    real = real_stand_in()
+    checks = [
+        {"check": f"loss masks train exactly the answers and the end-of-turn token ({datums} datums)",
+         "passed": True},
+        {"check": f"every step trained: {len(losses)} of {total_steps} metrics rows", "passed": len(losses) == total_steps},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the saved sampler samples every probe ({len(sampled)}/{len(probes)})",
+         "passed": len(sampled) == len(probes)},
+        {"check": f"the training loss falls below {REHEARSAL_LOSS_SHARE:.0%} of the first step's "
+                  f"({losses[0]:.3f} -> {last:.3f}, the mean of the last {len(tail)} steps)" if losses
+                  else "the training loss was recorded",
+         "passed": bool(losses) and last < REHEARSAL_LOSS_SHARE * losses[0]},
+    ]
+    held_out = [r["nll"] for r in run.rows("eval.jsonl") if r.get("when") != "before" and r.get("nll") is not None]
+    nll_text = f"{nll_before:.3f} -> {nll_after:.3f}" if nll_before is not None and nll_after is not None else "not measured"
+    if real:  # a real model must learn the user's answers, and what it learns must carry to unseen rows
+        need = math.ceil(REAL_PROBE_SHARE * len(probes))
+        checks.append(rehearsal_check(f"at least {need} of {len(probes)} probes (training prompts) answer their trained answer "
+                                      f"word for word ({exact}/{len(probes)})", probes and exact >= need))
+        if nll_before is not None and held_out:
+            checks.append(rehearsal_check(f"the held-out NLL falls below its start at some evaluation ({nll_before:.3f} -> best "
+                                          f"{min(held_out):.3f}, last {held_out[-1]:.3f})", min(held_out) < nll_before))
+        return rehearsal_result(checks, [f"held-out NLL {nll_text}"], data="own")
+    reported = [f"probes reproducing their trained answer: {exact}/{len(probes)} (training prompts; reported, not "
+                "judged: a tiny random model memorises few answers of a real set in a rehearsal's steps; judged on "
+                "the real model: tinker_local.py run --real)",
+                f"held-out NLL {nll_text} (reported, not judged: a tiny random model cannot generalise to other "
+                "questions)"]
+    return rehearsal_result(checks, reported, data="own")
+
+
+def _sft_built_in_checks(report):
+    """Rehearsal checks 2-4 (check 1, the mask, ran before training): every probe (a training prompt)
+    answers its trained answer after training and none did before; the held-out NLL at least halves."""
+    probes = report["eval"]["probes"]
+    after = sum(1 for p in probes if p.get("after_score") == 1.0)
+    before = sum(1 for p in probes if p.get("before_score") == 1.0)
+    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
+    checks = [
+        {"check": f"after-training probes reproduce the trained answers ({after}/{len(probes)})",
+         "passed": bool(probes) and after == len(probes)},
+        {"check": f"before-training probes do not ({before}/{len(probes)} did)", "passed": before == 0},
+        {"check": f"held-out NLL falls by half or more ({nll_before:.3f} -> {nll_after:.3f})"
+         if nll_before is not None and nll_after is not None else "held-out NLL measured",
+         "passed": nll_before is not None and nll_after is not None and nll_after <= nll_before / 2},
+    ]
+    return rehearsal_result(checks)
+
+
+# The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's
+# tiny model memorises at lr 1e-2 (measured: probes 4/4 exact after 40 steps, 0/4 before; training loss
+# 18.4 -> 0.013; held-out NLL 18.2 -> 3.3), and the same facts asked in other words as the held-out set.
+# Built in so the script copied alone can rehearse.
+REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
+    ("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+    ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down."),
+]]
+REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
+    ("Tell me the colour of the sky.", "Blue."), ("Name the capital of France.", "Paris."),
+    ("A cat has how many legs?", "Four."), ("In which direction does rain fall?", "Down."),
+]]

@@ -277,3 +277,19 @@ def cookbook_config_fields(config: dict) -> dict:
         common["batch_size"] = config["batch_size"]
     return {"renderer_name": renderer,
             "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
+
+
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None): one page a person
+    can open. A failure here costs the run nothing; the record is complete already."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None

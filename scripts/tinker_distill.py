@@ -401,20 +401,6 @@ def print_outcome(args, student, report):
     say("\n".join(lines))
 
 
-def write_report(log):
-    """The run's HTML report by tinker_report.py when it is beside this script (else None)."""
-    tool = Path(__file__).resolve().parent / "tinker_report.py"
-    if not tool.exists():
-        return None
-    import subprocess
-
-    try:
-        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
-        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
 # ---------------------------------------------------------------------------------------------
 # The datum: one per sampled sequence, an advantage per token from the teacher
 
@@ -1909,6 +1895,22 @@ def cookbook_config_fields(config: dict) -> dict:
             "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None): one page a person
+    can open. A failure here costs the run nothing; the record is complete already."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
@@ -2393,7 +2395,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 59c99a0c60c0) ====
+# ==== END SHARED CODE (sha256 4c84f2aa21c7) ====
 
 
 if __name__ == "__main__":

@@ -349,20 +349,6 @@ def print_outcome(args, raw, report):
     say("\n".join(lines))
 
 
-def write_report(log):
-    """The run's HTML report by tinker_report.py when it is beside this script (else None)."""
-    tool = Path(__file__).resolve().parent / "tinker_report.py"
-    if not tool.exists():
-        return None
-    import subprocess
-
-    try:
-        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
-        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
 def check_torch(dry_run):
     """torch computes the DPO loss here (forward_backward_custom): checked before any Tinker call, so a
     missing install never costs the reference pass. A dry run only warns (it needs no torch)."""
@@ -1816,6 +1802,22 @@ def cookbook_config_fields(config: dict) -> dict:
             "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None): one page a person
+    can open. A failure here costs the run nothing; the record is complete already."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
@@ -2212,7 +2214,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 29100eeb1067) ====
+# ==== END SHARED CODE (sha256 8ca91a505bdc) ====
 
 
 if __name__ == "__main__":

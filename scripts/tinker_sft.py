@@ -80,9 +80,6 @@ MIN_STEPS = 100
 # The default held-out split (--test-fraction 0.1) stops at this many examples: its forward pass runs before
 # and after training (and every --eval-every steps), and at 50,000 conversations 10% cost a sixth of the run.
 MAX_HELD_OUT = 500
-# An own-data rehearsal passes when the training loss of the last quarter of its steps is below this share
-# of the first step's (the tiny model, 24 one-sentence answers, 40 steps: 22.6 -> 9-10, measured).
-REHEARSAL_LOSS_SHARE = 0.8
 
 
 def parse_args(argv=None):
@@ -248,7 +245,7 @@ def train_run(args, run):
     report["cost"] = cost
     report["seconds"] = round(time.monotonic() - started, 1)
     if args.rehearse:
-        report["rehearsal"] = (own_data_checks(report, run, job) if args.data else rehearsal_checks(report))
+        report["rehearsal"] = sft_rehearsal_checks(report, run, len(job.train), job.total_steps, own_data=bool(args.data))
         if not report["rehearsal"]["passed"]:
             report["status"] = "failed"  # the JSON says what the exit code (1) says
     run.unlock()  # the record is complete: the report page written next shows a finished run
@@ -679,68 +676,6 @@ def result_record(status, run, job, final):
     return record
 
 
-def own_data_checks(report, run, job):
-    """What a rehearsal on the user's own data can prove (check 1, the masks, ran before training): the datums
-    trained, the checkpoints were saved, the saved sampler samples, and the training loss fell. A tiny random
-    model cannot learn to answer other questions, nor always reproduce many answers in 40 steps: the probes
-    (training prompts) and the held-out NLL are reported, not judged (references/training-sft.md)."""
-    losses = [r["loss"] for r in run.rows("metrics.jsonl") if isinstance(r.get("loss"), (int, float))]
-    tail = losses[-max(1, len(losses) // 4):]
-    last = sum(tail) / len(tail) if tail else None
-    probes = report["eval"]["probes"]
-    sampled = [p for p in probes if "after" in p]
-    exact = sum(1 for p in probes if p.get("after", "").strip() == p["expected"].strip())
-    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
-    real = real_stand_in()
-    checks = [
-        {"check": f"loss masks train exactly the answers and the end-of-turn token ({len(job.train)} datums)",
-         "passed": True},
-        {"check": f"every step trained: {len(losses)} of {job.total_steps} metrics rows", "passed": len(losses) == job.total_steps},
-        {"check": "the final checkpoint was saved (state and sampler paths)",
-         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
-        {"check": f"the saved sampler samples every probe ({len(sampled)}/{len(probes)})",
-         "passed": len(sampled) == len(probes)},
-        {"check": f"the training loss falls below {REHEARSAL_LOSS_SHARE:.0%} of the first step's "
-                  f"({losses[0]:.3f} -> {last:.3f}, the mean of the last {len(tail)} steps)" if losses
-                  else "the training loss was recorded",
-         "passed": bool(losses) and last < REHEARSAL_LOSS_SHARE * losses[0]},
-    ]
-    held_out = [r["nll"] for r in run.rows("eval.jsonl") if r.get("when") != "before" and r.get("nll") is not None]
-    nll_text = f"{nll_before:.3f} -> {nll_after:.3f}" if nll_before is not None and nll_after is not None else "not measured"
-    if real:  # a real model must learn the user's answers, and what it learns must carry to unseen rows
-        need = math.ceil(REAL_PROBE_SHARE * len(probes))
-        checks.append(rehearsal_check(f"at least {need} of {len(probes)} probes (training prompts) answer their trained answer "
-                            f"word for word ({exact}/{len(probes)})", probes and exact >= need))
-        if nll_before is not None and held_out:
-            checks.append(rehearsal_check(f"the held-out NLL falls below its start at some evaluation ({nll_before:.3f} -> best "
-                                f"{min(held_out):.3f}, last {held_out[-1]:.3f})", min(held_out) < nll_before))
-        return rehearsal_result(checks, [f"held-out NLL {nll_text}"], data="own")
-    reported = [f"probes reproducing their trained answer: {exact}/{len(probes)} (training prompts; reported, not "
-                "judged: a tiny random model memorises few answers of a real set in a rehearsal's steps; judged on "
-                "the real model: tinker_local.py run --real)",
-                f"held-out NLL {nll_text} (reported, not judged: a tiny random model cannot generalise to other "
-                "questions)"]
-    return rehearsal_result(checks, reported, data="own")
-
-
-def rehearsal_checks(report):
-    """Rehearsal checks 2-4 (check 1, the mask, ran before training): every probe (a training prompt)
-    answers its trained answer after training and none did before; the held-out NLL at least halves."""
-    probes = report["eval"]["probes"]
-    after = sum(1 for p in probes if p.get("after_score") == 1.0)
-    before = sum(1 for p in probes if p.get("before_score") == 1.0)
-    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
-    checks = [
-        {"check": f"after-training probes reproduce the trained answers ({after}/{len(probes)})",
-         "passed": bool(probes) and after == len(probes)},
-        {"check": f"before-training probes do not ({before}/{len(probes)} did)", "passed": before == 0},
-        {"check": f"held-out NLL falls by half or more ({nll_before:.3f} -> {nll_after:.3f})"
-         if nll_before is not None and nll_after is not None else "held-out NLL measured",
-         "passed": nll_before is not None and nll_after is not None and nll_after <= nll_before / 2},
-    ]
-    return rehearsal_result(checks)
-
-
 def print_outcome(args, job, report):
     """A few lines a newcomer can read: what was trained, what it learnt, where it is, what it costs."""
     ev, log = report["eval"], report["log_path"]
@@ -771,36 +706,6 @@ def print_outcome(args, job, report):
     if page:
         lines.insert(-1, f"report   {page} (loss, held-out NLL and learning-rate curves, probes, checkpoints)")
     say("\n".join(lines))
-
-
-def write_report(log):
-    """The run's HTML report by tinker_report.py when it is beside this script (else None): one page a person
-    can open. A failure here costs the run nothing; the record is complete already."""
-    tool = Path(__file__).resolve().parent / "tinker_report.py"
-    if not tool.exists():
-        return None
-    import json
-    import subprocess
-
-    try:
-        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
-        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
-# The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's
-# tiny model memorises at lr 1e-2 (measured: probes 4/4 exact after 40 steps, 0/4 before; training loss
-# 18.4 -> 0.013; held-out NLL 18.2 -> 3.3), and the same facts asked in other words as the held-out set.
-# Built in so the script copied alone can rehearse.
-REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
-    ("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
-    ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down."),
-]]
-REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
-    ("Tell me the colour of the sky.", "Blue."), ("Name the capital of France.", "Paris."),
-    ("A cat has how many legs?", "Four."), ("In which direction does rain fall?", "Down."),
-]]
 
 
 # ==== SHARED CODE (generated from common/: errors, flags, rehearsal, render, run_files, data, run_record, service, training) ====
@@ -1063,6 +968,7 @@ def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
 # - SmolLM2-135M-Instruct (`tinker_local.py run --real`): a real, weak instruct model with its own tokenizer and ChatML
 #   template; it follows a prompt, learns a user's answers, earns a user's reward and calls a tool after a warm-up.
 # Each preset below was measured on its model (references/setup.md, "Which model to rehearse on").
+import math
 import os
 from urllib.parse import urlsplit
 
@@ -1121,6 +1027,91 @@ SFT_REHEARSAL = {
 # The real model passes an own-data rehearsal when at least this share of its probes (training prompts) answer
 # their trained answer word for word.
 REAL_PROBE_SHARE = 0.75
+# An own-data rehearsal passes when the training loss of the last quarter of its steps is below this share
+# of the first step's (the tiny model, 24 one-sentence answers, 40 steps: 22.6 -> 9-10, measured).
+REHEARSAL_LOSS_SHARE = 0.8
+
+
+def sft_rehearsal_checks(report, run, datums, total_steps, *, own_data):
+    """tinker_sft.py's rehearsal verdict (the loss masks were checked before training): on the built-in set, that
+    the model learnt it; on the user's data, that the pipeline is right and, on the real model, the task learnt."""
+    return _sft_own_data_checks(report, run, datums, total_steps) if own_data else _sft_built_in_checks(report)
+
+
+def _sft_own_data_checks(report, run, datums, total_steps):
+    """What a rehearsal on the user's own data can prove (check 1, the masks, ran before training): the datums
+    trained, the checkpoints were saved, the saved sampler samples, and the training loss fell. A tiny random
+    model cannot learn to answer other questions, nor always reproduce many answers in 40 steps: the probes
+    (training prompts) and the held-out NLL are reported, not judged (references/training-sft.md)."""
+    losses = [r["loss"] for r in run.rows("metrics.jsonl") if isinstance(r.get("loss"), (int, float))]
+    tail = losses[-max(1, len(losses) // 4):]
+    last = sum(tail) / len(tail) if tail else None
+    probes = report["eval"]["probes"]
+    sampled = [p for p in probes if "after" in p]
+    exact = sum(1 for p in probes if p.get("after", "").strip() == p["expected"].strip())
+    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
+    real = real_stand_in()
+    checks = [
+        {"check": f"loss masks train exactly the answers and the end-of-turn token ({datums} datums)",
+         "passed": True},
+        {"check": f"every step trained: {len(losses)} of {total_steps} metrics rows", "passed": len(losses) == total_steps},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the saved sampler samples every probe ({len(sampled)}/{len(probes)})",
+         "passed": len(sampled) == len(probes)},
+        {"check": f"the training loss falls below {REHEARSAL_LOSS_SHARE:.0%} of the first step's "
+                  f"({losses[0]:.3f} -> {last:.3f}, the mean of the last {len(tail)} steps)" if losses
+                  else "the training loss was recorded",
+         "passed": bool(losses) and last < REHEARSAL_LOSS_SHARE * losses[0]},
+    ]
+    held_out = [r["nll"] for r in run.rows("eval.jsonl") if r.get("when") != "before" and r.get("nll") is not None]
+    nll_text = f"{nll_before:.3f} -> {nll_after:.3f}" if nll_before is not None and nll_after is not None else "not measured"
+    if real:  # a real model must learn the user's answers, and what it learns must carry to unseen rows
+        need = math.ceil(REAL_PROBE_SHARE * len(probes))
+        checks.append(rehearsal_check(f"at least {need} of {len(probes)} probes (training prompts) answer their trained answer "
+                                      f"word for word ({exact}/{len(probes)})", probes and exact >= need))
+        if nll_before is not None and held_out:
+            checks.append(rehearsal_check(f"the held-out NLL falls below its start at some evaluation ({nll_before:.3f} -> best "
+                                          f"{min(held_out):.3f}, last {held_out[-1]:.3f})", min(held_out) < nll_before))
+        return rehearsal_result(checks, [f"held-out NLL {nll_text}"], data="own")
+    reported = [f"probes reproducing their trained answer: {exact}/{len(probes)} (training prompts; reported, not "
+                "judged: a tiny random model memorises few answers of a real set in a rehearsal's steps; judged on "
+                "the real model: tinker_local.py run --real)",
+                f"held-out NLL {nll_text} (reported, not judged: a tiny random model cannot generalise to other "
+                "questions)"]
+    return rehearsal_result(checks, reported, data="own")
+
+
+def _sft_built_in_checks(report):
+    """Rehearsal checks 2-4 (check 1, the mask, ran before training): every probe (a training prompt)
+    answers its trained answer after training and none did before; the held-out NLL at least halves."""
+    probes = report["eval"]["probes"]
+    after = sum(1 for p in probes if p.get("after_score") == 1.0)
+    before = sum(1 for p in probes if p.get("before_score") == 1.0)
+    nll_before, nll_after = report["eval"]["nll_before"], report["eval"]["nll_after"]
+    checks = [
+        {"check": f"after-training probes reproduce the trained answers ({after}/{len(probes)})",
+         "passed": bool(probes) and after == len(probes)},
+        {"check": f"before-training probes do not ({before}/{len(probes)} did)", "passed": before == 0},
+        {"check": f"held-out NLL falls by half or more ({nll_before:.3f} -> {nll_after:.3f})"
+         if nll_before is not None and nll_after is not None else "held-out NLL measured",
+         "passed": nll_before is not None and nll_after is not None and nll_after <= nll_before / 2},
+    ]
+    return rehearsal_result(checks)
+
+
+# The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's
+# tiny model memorises at lr 1e-2 (measured: probes 4/4 exact after 40 steps, 0/4 before; training loss
+# 18.4 -> 0.013; held-out NLL 18.2 -> 3.3), and the same facts asked in other words as the held-out set.
+# Built in so the script copied alone can rehearse.
+REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
+    ("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+    ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down."),
+]]
+REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
+    ("Tell me the colour of the sky.", "Blue."), ("Name the capital of France.", "Paris."),
+    ("A cat has how many legs?", "Four."), ("In which direction does rain fall?", "Down."),
+]]
 
 
 # ---- common/render.py ----
@@ -2454,6 +2445,22 @@ def cookbook_config_fields(config: dict) -> dict:
             "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None): one page a person
+    can open. A failure here costs the run nothing; the record is complete already."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
@@ -2899,7 +2906,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 15947a25a8a4) ====
+# ==== END SHARED CODE (sha256 266e514546ed) ====
 
 
 if __name__ == "__main__":
