@@ -25,7 +25,11 @@ def pytest_xdist_auto_num_workers(config):
 
 # Modules run first, longest first: worksteal hands each worker a contiguous share and an idle worker takes the
 # tail of another's, so a long test started late stretches the end of the run while the other worker waits.
-FIRST = ("test_faults_e2e.py", "test_journey_e2e.py", "test_rl_agentic_e2e.py", "test_distill_e2e.py")
+# The real-model modules come before them, together: they share one session server of the real model and one SFT
+# run on it (local_real_tinker, local_real_sft_run), so they must land in one worker's share, not two.
+REAL_MODEL_MODULES = ("test_sft_real_e2e.py", "test_rl_real_e2e.py", "test_real_model_e2e.py", "test_local_real.py")
+FIRST = REAL_MODEL_MODULES + ("test_faults_e2e.py", "test_journey_e2e.py", "test_rl_agentic_e2e.py",
+                              "test_distill_e2e.py")
 
 
 def pytest_collection_modifyitems(config, items):
