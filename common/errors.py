@@ -9,6 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
+from rehearsal import real_stand_in  # splice: drop
+
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
@@ -110,8 +112,8 @@ def script_command(name: str, *args, server: bool = True) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
-        command = f"python {shlex.quote(launcher)} run -- {command}"
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the same model stands in again
+        command = f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
     return command
 
 

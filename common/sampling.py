@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from checkpoints import latest_row, read_run_record, tinker_failure  # splice: drop
-from errors import DataError, say  # splice: drop
+from errors import DataError, local_hint, say  # splice: drop
+from rehearsal import backend_record  # splice: drop
 from render import chat_format, load_tokenizer, stop_tokens  # splice: drop
 from run_record import Run  # splice: drop
 from service import load_pricing  # splice: drop
@@ -18,6 +19,7 @@ def run_format(log_dir: str, *, kind: str | None = None, thinking: bool = False)
     """(the run's newest sampler path, the format it trained in) from LOG_DIR/checkpoints.jsonl. DataError when
     the record has no format, or when `kind` (--format) or `thinking` (--thinking) contradicts it."""
     row = latest_row(read_run_record(log_dir), "sampler", log_dir)
+    check_same_backend(log_dir, Run(log_dir).config().get("backend"))
     fmt = dict(row.get("format") or {})
     if fmt.get("kind") not in ("chat", "raw"):
         raise DataError(f"{log_dir}/checkpoints.jsonl has no \"format\" with kind chat|raw; "
@@ -32,6 +34,25 @@ def run_format(log_dir: str, *, kind: str | None = None, thinking: bool = False)
         fmt.setdefault("template_kwargs", {})
         fmt.setdefault("template_sha256", "")
     return row["sampler_path"], fmt
+
+
+def check_same_backend(log_dir: str, trained: dict | None) -> None:
+    """A run's checkpoints load only where it trained: a local rehearsal's on the local backend with the same model
+    standing in (the tiny model's adapter does not fit the real model, nor either on Tinker). DataError otherwise,
+    naming the launcher command. Records without "backend" (older runs) are not checked."""
+    if not trained or trained.get("kind") != "local":
+        return
+    here = backend_record()
+    if here["kind"] == "local" and here["stand_in"] in (None, trained.get("stand_in")):
+        return
+    real = trained.get("stand_in_kind") == "real"
+    where = f"the local backend's {'real model' if real else 'tiny model'} ({trained.get('stand_in')})"
+    now = "Tinker" if here["kind"] == "tinker" else f"a local server of {here['stand_in']}"
+    hint = local_hint()
+    if real and " run -- " in hint:
+        hint = hint.replace(" run -- ", " run --real -- ", 1)
+    raise DataError(f"{log_dir} was trained on {where}, and this command talks to {now}: its checkpoints load only "
+                    f"there ({hint})")
 
 
 def run_sampling(log_dir: str, temperature: float | None, system: str | None) -> tuple[float, str | None]:

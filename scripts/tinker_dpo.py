@@ -616,10 +616,47 @@ def save(tc, run, name, done, per_epoch, fmt, *, final):
     return state_path, sampler_path
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, rehearsal, render, run_files, data, run_record, service, training) ====
+# ==== SHARED CODE (generated from common/: rehearsal, errors, flags, render, run_files, data, run_record, service, training) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
+
+
+# ---- common/rehearsal.py ----
+# The free rehearsal (--rehearse) on the local backend: which model stands in, each script's preset for it, and the
+# shape of the rehearsal's checks.
+#
+# `tinker_local.py run` exports TINKER_LOCAL_STAND_IN, the model standing in for the named one:
+# - the tiny random Qwen3 (default): the named model's exact tokenizer and chat template, so masks, token counts and
+#   datums are Qwen3's; it memorises a few short answers and nothing more;
+# - SmolLM2-135M-Instruct (`tinker_local.py run --real`): a real, weak instruct model with its own tokenizer and ChatML
+#   template; it follows a prompt, learns a user's answers, earns a user's reward and calls a tool after a warm-up.
+# Each preset below was measured on its model (references/setup.md, "Which model to rehearse on").
+import os
+from urllib.parse import urlsplit
+
+STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"
+TINY_STAND_IN = "tiny-qwen3"
+
+
+def stand_in() -> str | None:
+    """The model standing in on the local backend (from the launcher), or None (Tinker, or an unknown server)."""
+    return os.environ.get(STAND_IN_ENV) or None
+
+
+def real_stand_in() -> bool:
+    """True when a real model (`tinker_local.py run --real`) stands in: the rehearsal judges the user's task."""
+    return stand_in() not in (None, TINY_STAND_IN)
+
+
+def backend_record() -> dict:
+    """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
+    A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
+    name = stand_in()
+    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
+    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    return {"kind": "local" if local else "tinker", "stand_in": name,
+            "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
 # ---- common/errors.py ----
@@ -630,6 +667,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -732,8 +770,8 @@ def script_command(name: str, *args, server: bool = True) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
-        command = f"python {shlex.quote(launcher)} run -- {command}"
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the same model stands in again
+        command = f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
     return command
 
 
@@ -864,43 +902,6 @@ def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
     if free < need_bytes:
         raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
                         f"{free / 2**20:,.0f} MiB are free; {fix}")
-
-
-# ---- common/rehearsal.py ----
-# The free rehearsal (--rehearse) on the local backend: which model stands in, each script's preset for it, and the
-# shape of the rehearsal's checks.
-#
-# `tinker_local.py run` exports TINKER_LOCAL_STAND_IN, the model standing in for the named one:
-# - the tiny random Qwen3 (default): the named model's exact tokenizer and chat template, so masks, token counts and
-#   datums are Qwen3's; it memorises a few short answers and nothing more;
-# - SmolLM2-135M-Instruct (`tinker_local.py run --real`): a real, weak instruct model with its own tokenizer and ChatML
-#   template; it follows a prompt, learns a user's answers, earns a user's reward and calls a tool after a warm-up.
-# Each preset below was measured on its model (references/setup.md, "Which model to rehearse on").
-import os
-from urllib.parse import urlsplit
-
-STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"
-TINY_STAND_IN = "tiny-qwen3"
-
-
-def stand_in() -> str | None:
-    """The model standing in on the local backend (from the launcher), or None (Tinker, or an unknown server)."""
-    return os.environ.get(STAND_IN_ENV) or None
-
-
-def real_stand_in() -> bool:
-    """True when a real model (`tinker_local.py run --real`) stands in: the rehearsal judges the user's task."""
-    return stand_in() not in (None, TINY_STAND_IN)
-
-
-def backend_record() -> dict:
-    """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
-    A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
-    name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
-    return {"kind": "local" if local else "tinker", "stand_in": name,
-            "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
 # ---- common/render.py ----
@@ -2214,7 +2215,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 8ca91a505bdc) ====
+# ==== END SHARED CODE (sha256 5ee2c9cb4426) ====
 
 
 if __name__ == "__main__":

@@ -442,10 +442,47 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
     say(f"=== {len(result['samples'])} samples from {result['model']} ({result['format']['kind']} format) | est. cost {cost}")
 
 
-# ==== SHARED CODE (generated from common/: errors, flags, rehearsal, render, run_files, data, run_record, service, checkpoints, sampling) ====
+# ==== SHARED CODE (generated from common/: rehearsal, errors, flags, render, run_files, data, run_record, service, checkpoints, sampling) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
+
+
+# ---- common/rehearsal.py ----
+# The free rehearsal (--rehearse) on the local backend: which model stands in, each script's preset for it, and the
+# shape of the rehearsal's checks.
+#
+# `tinker_local.py run` exports TINKER_LOCAL_STAND_IN, the model standing in for the named one:
+# - the tiny random Qwen3 (default): the named model's exact tokenizer and chat template, so masks, token counts and
+#   datums are Qwen3's; it memorises a few short answers and nothing more;
+# - SmolLM2-135M-Instruct (`tinker_local.py run --real`): a real, weak instruct model with its own tokenizer and ChatML
+#   template; it follows a prompt, learns a user's answers, earns a user's reward and calls a tool after a warm-up.
+# Each preset below was measured on its model (references/setup.md, "Which model to rehearse on").
+import os
+from urllib.parse import urlsplit
+
+STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"
+TINY_STAND_IN = "tiny-qwen3"
+
+
+def stand_in() -> str | None:
+    """The model standing in on the local backend (from the launcher), or None (Tinker, or an unknown server)."""
+    return os.environ.get(STAND_IN_ENV) or None
+
+
+def real_stand_in() -> bool:
+    """True when a real model (`tinker_local.py run --real`) stands in: the rehearsal judges the user's task."""
+    return stand_in() not in (None, TINY_STAND_IN)
+
+
+def backend_record() -> dict:
+    """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
+    A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
+    name = stand_in()
+    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
+    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    return {"kind": "local" if local else "tinker", "stand_in": name,
+            "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
 # ---- common/errors.py ----
@@ -457,6 +494,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+
 
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
@@ -559,8 +597,8 @@ def script_command(name: str, *args, server: bool = True) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
-        command = f"python {shlex.quote(launcher)} run -- {command}"
+    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the same model stands in again
+        command = f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
     return command
 
 
@@ -698,43 +736,6 @@ def check_free_space(path, need_bytes: int, what: str, fix: str) -> None:
     if free < need_bytes:
         raise DataError(f"{what} needs about {need_bytes / 2**20:,.0f} MiB on the disk of {path} and "
                         f"{free / 2**20:,.0f} MiB are free; {fix}")
-
-
-# ---- common/rehearsal.py ----
-# The free rehearsal (--rehearse) on the local backend: which model stands in, each script's preset for it, and the
-# shape of the rehearsal's checks.
-#
-# `tinker_local.py run` exports TINKER_LOCAL_STAND_IN, the model standing in for the named one:
-# - the tiny random Qwen3 (default): the named model's exact tokenizer and chat template, so masks, token counts and
-#   datums are Qwen3's; it memorises a few short answers and nothing more;
-# - SmolLM2-135M-Instruct (`tinker_local.py run --real`): a real, weak instruct model with its own tokenizer and ChatML
-#   template; it follows a prompt, learns a user's answers, earns a user's reward and calls a tool after a warm-up.
-# Each preset below was measured on its model (references/setup.md, "Which model to rehearse on").
-import os
-from urllib.parse import urlsplit
-
-STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"
-TINY_STAND_IN = "tiny-qwen3"
-
-
-def stand_in() -> str | None:
-    """The model standing in on the local backend (from the launcher), or None (Tinker, or an unknown server)."""
-    return os.environ.get(STAND_IN_ENV) or None
-
-
-def real_stand_in() -> bool:
-    """True when a real model (`tinker_local.py run --real`) stands in: the rehearsal judges the user's task."""
-    return stand_in() not in (None, TINY_STAND_IN)
-
-
-def backend_record() -> dict:
-    """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
-    A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
-    name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
-    return {"kind": "local" if local else "tinker", "stand_in": name,
-            "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
 # ---- common/render.py ----
@@ -1866,6 +1867,7 @@ def run_format(log_dir: str, *, kind: str | None = None, thinking: bool = False)
     """(the run's newest sampler path, the format it trained in) from LOG_DIR/checkpoints.jsonl. DataError when
     the record has no format, or when `kind` (--format) or `thinking` (--thinking) contradicts it."""
     row = latest_row(read_run_record(log_dir), "sampler", log_dir)
+    check_same_backend(log_dir, Run(log_dir).config().get("backend"))
     fmt = dict(row.get("format") or {})
     if fmt.get("kind") not in ("chat", "raw"):
         raise DataError(f"{log_dir}/checkpoints.jsonl has no \"format\" with kind chat|raw; "
@@ -1880,6 +1882,25 @@ def run_format(log_dir: str, *, kind: str | None = None, thinking: bool = False)
         fmt.setdefault("template_kwargs", {})
         fmt.setdefault("template_sha256", "")
     return row["sampler_path"], fmt
+
+
+def check_same_backend(log_dir: str, trained: dict | None) -> None:
+    """A run's checkpoints load only where it trained: a local rehearsal's on the local backend with the same model
+    standing in (the tiny model's adapter does not fit the real model, nor either on Tinker). DataError otherwise,
+    naming the launcher command. Records without "backend" (older runs) are not checked."""
+    if not trained or trained.get("kind") != "local":
+        return
+    here = backend_record()
+    if here["kind"] == "local" and here["stand_in"] in (None, trained.get("stand_in")):
+        return
+    real = trained.get("stand_in_kind") == "real"
+    where = f"the local backend's {'real model' if real else 'tiny model'} ({trained.get('stand_in')})"
+    now = "Tinker" if here["kind"] == "tinker" else f"a local server of {here['stand_in']}"
+    hint = local_hint()
+    if real and " run -- " in hint:
+        hint = hint.replace(" run -- ", " run --real -- ", 1)
+    raise DataError(f"{log_dir} was trained on {where}, and this command talks to {now}: its checkpoints load only "
+                    f"there ({hint})")
 
 
 def run_sampling(log_dir: str, temperature: float | None, system: str | None) -> tuple[float, str | None]:
@@ -2039,7 +2060,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 08b206230c5d) ====
+# ==== END SHARED CODE (sha256 7e1296808c17) ====
 
 
 if __name__ == "__main__":

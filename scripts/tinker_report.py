@@ -770,6 +770,7 @@ import os
 import sys
 from pathlib import Path
 
+
 # 0 ok · 1 Tinker or runtime failure · 2 bad input or usage · 3 estimate above --max-usd ·
 # 4 no credentials / Tinker unreachable · 130 interrupted (SIGINT) · 143 terminated (SIGTERM)
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT, EXIT_OVER_BUDGET, EXIT_NO_ACCESS = 0, 1, 2, 3, 4
@@ -1009,7 +1010,7 @@ def sampler_version(iteration, start, max_staleness, save_every):
     run did."""
     floor = max(start, iteration // save_every * save_every) if save_every else start
     return max(iteration - max_staleness, floor)
-# ==== END SHARED CODE (sha256 04c26e2af846) ====
+# ==== END SHARED CODE (sha256 1e3dad43ecfd) ====
 
 
 if __name__ == "__main__":

@@ -48,7 +48,11 @@ def common_module(name: str):
     """common/NAME.py, the shared source the scripts' generated regions are copied from, loaded by its path."""
     spec = importlib.util.spec_from_file_location(f"bundle_common_{name}", ROOT / "common" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "common"))  # its `from other import name  # splice: drop` lines
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "common"))
     return module
 
 

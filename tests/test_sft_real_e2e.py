@@ -27,6 +27,8 @@ def test_an_own_data_rehearsal_on_the_real_model_reproduces_the_trained_answers(
     evals = [json.loads(line) for line in (run.log / "eval.jsonl").read_text().splitlines()]
     before = next(r["nll"] for r in evals if r["when"] == "before")
     assert min(r["nll"] for r in evals if r["when"] != "before") < before
+    # the printed next command starts the real model again (its checkpoint loads only there)
+    assert "tinker_local.py run --real -- " in run.stderr.split("next     sample it:")[1].splitlines()[0]
 
 
 def test_the_run_record_says_the_real_model_stood_in_and_used_its_preset(local_real_sft_run):
