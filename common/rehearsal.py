@@ -38,6 +38,17 @@ def backend_record() -> dict:
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
+def model_label(model_name: str) -> str:
+    """The model a run trained, as a summary names it: with the local model that stood in for it, if one did."""
+    return f"{model_name} (the local backend's {stand_in()} standing in)" if stand_in() else model_name
+
+
+def stand_in_cost_note() -> str:
+    """What a rehearsal's dollar figure means: on the real model the tokens were counted by its tokenizer."""
+    return ("; counted in SmolLM2's tokens, which differ from the named model's: a --dry-run without --real counts "
+            "those" if real_stand_in() else "")
+
+
 def preset(presets: dict) -> dict:
     """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]."""
     return dict(presets["real" if real_stand_in() else "tiny"])

@@ -684,7 +684,7 @@ def print_outcome(args, job, report):
            and ev["nll_after"] is not None else "n/a (no held-out data)")
     usd = ((report.get("cost") or {}).get("usd") or {}).get("total")
     lines = ["", "==== what happened ====",
-             f"trained  a LoRA (rank {args.lora_rank}) on {args.model_name}: {job.total_steps} steps of "
+             f"trained  a LoRA (rank {args.lora_rank}) on {model_label(args.model_name)}: {job.total_steps} steps of "
              f"{job.summary['batch_size']} examples from {data}; the loss covers only the assistant's answer "
              "and its end-of-turn token",
              f"held-out NLL per token  {nll}"]
@@ -697,7 +697,8 @@ def print_outcome(args, job, report):
         lines.append(f"report   {note}")
     lines += [f"record   {log}/ (config.json, metrics.jsonl, checkpoints.jsonl, eval.jsonl); "
               f"final sampler {report['sampler_path']}",
-              f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above)" if usd is not None
+              f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above{stand_in_cost_note()})"
+              if usd is not None
               else f"on Tinker: no dollar estimate ({no_estimate_reason(args.model_name)})",
               "next     sample it: " + script_command("tinker_infer.py", "--run", log, "--prompt",
                                                      ev["probes"][0]["prompt"] if ev["probes"] else "Hello"),
@@ -750,6 +751,17 @@ def backend_record() -> dict:
     local = name is not None or host in ("127.0.0.1", "localhost", "::1")
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
+
+
+def model_label(model_name: str) -> str:
+    """The model a run trained, as a summary names it: with the local model that stood in for it, if one did."""
+    return f"{model_name} (the local backend's {stand_in()} standing in)" if stand_in() else model_name
+
+
+def stand_in_cost_note() -> str:
+    """What a rehearsal's dollar figure means: on the real model the tokens were counted by its tokenizer."""
+    return ("; counted in SmolLM2's tokens, which differ from the named model's: a --dry-run without --real counts "
+            "those" if real_stand_in() else "")
 
 
 def preset(presets: dict) -> dict:
@@ -2907,7 +2919,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 6b153a289f29) ====
+# ==== END SHARED CODE (sha256 954a655a74b9) ====
 
 
 if __name__ == "__main__":
