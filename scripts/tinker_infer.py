@@ -27,11 +27,15 @@ Routes:
       sampler path, template kwargs, frozen date and stop token ids from LOG_DIR/checkpoints.jsonl;
       the system prompt every training example shared and greedy sampling, as the run's probes,
       from LOG_DIR/config.json; --system and --temperature change them).
-    HTTP (--http): Tinker's OpenAI-compatible endpoint, /chat/completions for chat and
-      /completions for raw, Bearer $TINKER_API_KEY; base URL from --base-url, else
-      $TINKER_BASE_URL + /oai/api/v1, else the hosted service. Retries 429 and 5xx with
-      back-off. The server applies the model's own chat template: it cannot apply a run's
-      recorded template kwargs, so use the SDK route to sample a run in its exact format.
+    HTTP (--http): Tinker's OpenAI-compatible endpoint, Bearer $TINKER_API_KEY; base URL from
+      --base-url, else $TINKER_BASE_URL + /oai/api/v1, else the hosted service. Retries 429 and
+      5xx with back-off. With --run every prompt is rendered here exactly as the SDK route renders
+      it (the run's template kwargs such as enable_thinking off, frozen date, system prompt) and
+      POSTed as text to /completions, the format's stop tokens as stop strings: the chat route
+      would render with the model's own template and defaults instead. A prompt whose text does not
+      tokenize back to the same tokens is refused (exit 2), and a server that counts other prompt
+      tokens than rendered here is reported. Without --run: /chat/completions for chat (the server's
+      template and its defaults, which may differ from the SDK route's) and /completions for raw.
     Before the first request: credentials, then one TCP connection to the service (3 s): a dead
       TINKER_BASE_URL or --base-url is exit 4 in seconds, not minutes of SDK retries.
     --dry-run: everything before the first request, offline: the prompts as rendered (SDK route)
@@ -55,7 +59,11 @@ Outputs:
                       "stop_reason" ("stop" | "length"), "prompt_tokens", "completion_tokens",
                       "usd" (null without tinker_pricing.py beside the script)}, ...]}  (--n per row)
     --dry-run: {"status": "dry_run", "route", "model", "format", "sampling", "prompts":
-      [{"prompt_index", "prompt_tokens", "text"}] (SDK) or "endpoint" and "bodies" (--http), "estimate_usd"}.
+      [{"prompt_index", "prompt_tokens", "text"}] (SDK) or "endpoint", "bodies" and "prompt_tokens" (--http;
+      null per prompt when the server renders it), "estimate_usd" (null when the token count or price is unknown)}.
+    --http results also carry "usage" (the server's prompt and completion token totals, which price the call:
+      with --n above 1 the endpoint does not split completion tokens per choice, so each sample's "usd" is null)
+      and, with --run, "prompt_tokens_as_trained" (per prompt, as rendered here).
     On failure: {"status": "error"|"interrupted", "exit_code", "error"} and one line on stderr.
 
 Requires:
@@ -188,20 +196,29 @@ def cmd_sample(args) -> dict:
                 "top_k": args.top_k, "stop": args.stop or [], "seed": args.seed, "system": system}
     if args.dry_run:
         return {"status": "dry_run", "route": "http" if args.http else "sdk", "model": model, "sampling": sampling,
-                **(http_dry_run(args, sent, model, recorded) if args.http
+                **(http_dry_run(args, sent, model, recorded, tokenizer_name) if args.http
                    else sdk_dry_run(args, sent, model, recorded, tokenizer_name))}
     if args.http:
-        result = sample_http(args, sent, model, recorded)
+        result = sample_http(args, sent, model, recorded, tokenizer_name)
     else:
         result = sample_sdk(args, sent, model, recorded, tokenizer_name)
-    pricing_model = result.get("base_model") or (model if not model.startswith("tinker://") else None)
+    pricing_model = result.get("base_model") or base_model_of(args, model)
     usd = price_samples(pricing_model, result["samples"]) if pricing_model else None
+    if args.http and pricing_model:  # the server's totals; per choice only when each choice's tokens are known
+        used = result["usage"]
+        usd = (sample_usd(pricing_model, used["prompt_tokens"], used["completion_tokens"])
+               if None not in used.values() else None)
+        if any(s["completion_tokens"] is None for s in result["samples"]):
+            for s in result["samples"]:
+                s["usd"] = None
     result.update(status="ok", route="http" if args.http else "sdk", usd=usd, sampling=sampling, out=None)
     if args.out:
         write_results(args.out, rows, result["samples"])
         result["out"] = str(args.out)
     if not args.json:
-        show_samples(rows, result, usd)
+        unpriced = (no_estimate_reason(pricing_model) if pricing_model else
+                    f"the --http route does not learn the base model of {model}; pass --run LOG_DIR")
+        show_samples(rows, result, usd, unpriced)
     return result
 
 
@@ -255,28 +272,33 @@ def sample_with(client, tokenizer, args, rows, model, fmt) -> dict:
             "samples": samples}
 
 
-def sample_http(args, rows: list[dict], model: str, recorded: dict | None) -> dict:
+def sample_http(args, rows: list[dict], model: str, recorded: dict | None, tokenizer_name: str | None) -> dict:
     import httpx
 
     if model.startswith("tinker://"):
         check_sampler_path(model)
+    request = http_requests(args, rows, model, recorded, tokenizer_name)  # a prompt that cannot be sent exactly: exit 2
     key = require_credentials(dry_run_hint=True)
-    fmt = recorded or {"kind": args.format or "chat"}
     base = oai_base_url(args)
     check_reachable(base, setting="--base-url" if args.base_url else "TINKER_BASE_URL")
-    chat = fmt["kind"] == "chat"
-    if chat and fmt.get("template_kwargs"):
-        say(f"warning: the endpoint renders with the model's own template; the run's template kwargs "
-            f"{sorted(fmt['template_kwargs'])} are not applied (the SDK route applies them)")
-    url = base + ("/chat/completions" if chat else "/completions")
+    chat = request["path"] == "/chat/completions"
+    url = base + request["path"]
     headers = {"Authorization": f"Bearer {key}"}
-    bodies = [http_body(args, row, model, chat) for row in rows]
+    bodies = request["bodies"]
     with httpx.Client(timeout=args.timeout) as client:
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(bodies))) as pool:
             responses = list(pool.map(lambda b: post_with_retries(client, url, b, headers, args.retries), bodies))
-    samples = []
+    samples, totals = [], {"prompt_tokens": 0, "completion_tokens": 0}
+    rendered = request["prompt_tokens"]
     for i, response in enumerate(responses):
         usage = response.get("usage") or {}
+        for k in totals:  # a response without usage leaves the total unknown (None), never 0
+            count = usage.get(k)
+            totals[k] = totals[k] + count if isinstance(count, int) and totals[k] is not None else None
+        if rendered and usage.get("prompt_tokens") not in (None, rendered[i]):
+            say(f"warning: the endpoint counted {usage['prompt_tokens']} prompt tokens for prompt {i}, not the "
+                f"{rendered[i]} rendered here as the run trained (it tokenized the text otherwise, e.g. added a BOS); "
+                "the SDK route sends the tokens themselves")
         choices = sorted(response.get("choices") or [], key=lambda c: c.get("index", 0))
         for j, choice in enumerate(choices):
             text = choice["message"].get("content") or "" if chat else choice.get("text", "")
@@ -286,7 +308,64 @@ def sample_http(args, rows: list[dict], model: str, recorded: dict | None) -> di
                             "prompt_tokens": usage.get("prompt_tokens"),
                             # usage counts all n choices together; per choice only when n == 1
                             "completion_tokens": usage.get("completion_tokens") if len(choices) == 1 else None})
-    return {"model": model, "base_model": None, "format": fmt, "endpoint": url, "samples": samples}
+    result = {"model": model, "base_model": base_model_of(args, model), "format": request["format"], "endpoint": url,
+              "samples": samples, "usage": totals}
+    if rendered:
+        result["prompt_tokens_as_trained"] = rendered
+    return result
+
+
+def http_requests(args, rows: list[dict], model: str, recorded: dict | None, tokenizer_name: str | None) -> dict:
+    """What --http POSTs: {"path", "bodies", "prompt_tokens" (per row as rendered here, or None), "format"}.
+
+    With --run every row is rendered here exactly as the SDK route renders it (render_prompt: the run's template
+    kwargs, frozen date, system prompt) and sent as text to /completions, with the format's stop tokens as stop
+    strings: the chat route renders with the model's own template and its defaults (Qwen3 with thinking on), which
+    is not how the run trained. Text that does not tokenize back to the same tokens is refused (DataError)."""
+    if not recorded:
+        chat = (args.format or "chat") == "chat"
+        return {"path": "/chat/completions" if chat else "/completions", "prompt_tokens": None,
+                "bodies": [http_body(args, row, model, chat) for row in rows], "format": {"kind": args.format or "chat"}}
+    tokenizer = load_sampling_tokenizer(tokenizer_name) or load_sampling_tokenizer(base_model_of(args, model))
+    if tokenizer is None:
+        raise DataError(f"--http --run {args.run} renders the prompts here, as the run trained, and needs its "
+                        "tokenizer; pass --tokenizer NAME_OR_DIR (the run's base model or tokenizer folder)")
+    check_template(recorded, tokenizer)
+    stop_ids = format_stop_ids(recorded, tokenizer)
+    user_stop = list(args.stop or [])
+    stop = user_stop + [t for t in (tokenizer.decode([i], skip_special_tokens=False) for i in stop_ids)
+                        if t not in user_stop]
+    bodies, counts = [], []
+    for i, row in enumerate(rows):
+        tokens = render_prompt(row, recorded, tokenizer)
+        text = tokenizer.decode(tokens, skip_special_tokens=False)
+        again = tokenizer.encode(text, add_special_tokens=False)
+        if again != tokens:
+            raise DataError(f"--http cannot send prompt {i} exactly as {args.run} trained: as text it tokenizes to "
+                            f"{len(again)} tokens, not the {len(tokens)} rendered; sample it with the SDK route "
+                            "(the same command without --http), which sends the tokens")
+        bodies.append({**http_body(args, {"prompt": text}, model, chat=False), "stop": stop})
+        counts.append(len(tokens))
+    return {"path": "/completions", "bodies": bodies, "prompt_tokens": counts, "format": {**recorded, "stop": stop_ids}}
+
+
+def base_model_of(args, model: str) -> str | None:
+    """The base model to price `model` with: itself when it is a name, the run's model_name for a sampler path of
+    --run, else None (only the SDK's sampling client knows a bare tinker:// path's base model)."""
+    if not model.startswith("tinker://"):
+        return model
+    return Run(args.run).config().get("model_name") if args.run else None
+
+
+def sampling_estimate(base: str | None, prompt_lengths: list[int], args) -> float | None:
+    """The most sampling these prompts can cost (every sample running to --max-tokens), or None."""
+    if not base:
+        return None
+    tokens = sum(prompt_lengths)
+    est = estimate(base, {"prefill": tokens, "cached_prefill": tokens * (args.n - 1),
+                          "sample": len(prompt_lengths) * args.n * args.max_tokens}, None,
+                   label="sampling at most (every sample to --max-tokens)")
+    return estimate_total(est)
 
 
 def sdk_dry_run(args, rows: list[dict], model: str, recorded: dict | None, tokenizer_name: str | None) -> dict:
@@ -311,27 +390,28 @@ def sdk_dry_run(args, rows: list[dict], model: str, recorded: dict | None, token
         for p in shown:
             say(f"--- prompt {p['prompt_index']} as rendered ({p['prompt_tokens']} tokens; stop tokens {stop_ids})")
             say(p["text"])
-    base = (Run(args.run).config().get("model_name") if args.run else None) if is_path else model
-    tokens = sum(len(p) for p in prompts)
-    est = estimate(base, {"prefill": tokens, "cached_prefill": tokens * (args.n - 1),
-                          "sample": len(prompts) * args.n * args.max_tokens}, None,
-                   label="sampling at most (every sample to --max-tokens)") if base else None
     return {"format": {**fmt, "stop": stop_ids}, "template_matches_run": template_ok, "prompts": shown,
-            "estimate_usd": estimate_total(est)}
+            "estimate_usd": sampling_estimate(base_model_of(args, model), [len(p) for p in prompts], args)}
 
 
-def http_dry_run(args, rows: list[dict], model: str, recorded: dict | None) -> dict:
-    """The requests the --http route would POST (the server renders them), offline."""
+def http_dry_run(args, rows: list[dict], model: str, recorded: dict | None, tokenizer_name: str | None) -> dict:
+    """The requests the --http route would POST, offline, and the most they can cost when the prompts are
+    rendered here (--run); the server renders the others, so their token count is unknown before the call."""
     if model.startswith("tinker://"):
         check_sampler_path(model)
-    chat = (recorded or {"kind": args.format or "chat"})["kind"] == "chat"
-    url = oai_base_url(args) + ("/chat/completions" if chat else "/completions")
-    bodies = [http_body(args, row, model, chat) for row in rows]
+    request = http_requests(args, rows, model, recorded, tokenizer_name)
+    url = oai_base_url(args) + request["path"]
     if not args.json:
         say(f"POST {url}")
-        for body in bodies:
+        for body in request["bodies"]:
             say(json.dumps(body, ensure_ascii=False))
-    return {"endpoint": url, "bodies": bodies, "estimate_usd": None}
+    counts = request["prompt_tokens"]
+    if counts is None:
+        say("no dollar estimate: the endpoint renders these prompts, so their token count is known only after the "
+            "call (the SDK route's --dry-run, or --run LOG_DIR, renders them here)")
+    usd = sampling_estimate(base_model_of(args, model), counts, args) if counts is not None else None
+    return {"endpoint": url, "bodies": request["bodies"], "format": request["format"],
+            "prompt_tokens": counts or [None] * len(rows), "estimate_usd": usd}
 
 
 # ==== helpers: inputs, target ====
@@ -429,7 +509,7 @@ def post_with_retries(client, url: str, body: dict, headers: dict, retries: int)
     raise AssertionError("unreachable")
 
 
-def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
+def show_samples(rows: list[dict], result: dict, usd: float | None, unpriced: str) -> None:
     for s in result["samples"]:
         row = rows[s["prompt_index"]]
         prompt = row.get("prompt") or row["messages"][-1]["content"]
@@ -438,7 +518,7 @@ def show_samples(rows: list[dict], result: dict, usd: float | None) -> None:
             f"tokens: {s['prompt_tokens']} prompt + {s['completion_tokens']} completion{cost}")
         say(f"> {str(prompt)[:200]}  ({s['prompt_tokens']} prompt tokens as rendered)")
         say(s["text"])
-    cost = f"${usd:.6f}" if usd is not None else "no dollar estimate (tinker_pricing.py not beside this script, or model unpriced)"
+    cost = f"${usd:.6f}" if usd is not None else f"no dollar estimate ({unpriced})"
     say(f"=== {len(result['samples'])} samples from {result['model']} ({result['format']['kind']} format) | est. cost {cost}")
 
 
@@ -1715,6 +1795,20 @@ def estimate(model_name, tokens: dict, max_usd, *, label: str, context=None):
         return None
 
 
+def no_estimate_reason(*models) -> str:
+    """Why a run's summary has no dollar estimate: the prices are not beside this script, or the catalogue has
+    no price for one of `models` (retired or unknown; tinker_pricing.py lists what it prices)."""
+    pricing = load_pricing()
+    if pricing is None:
+        return "tinker_pricing.py not beside this script"
+    for model in models:
+        try:
+            pricing.resolve_model(model)
+        except ValueError:  # UnknownModelError included
+            return f"no catalogue price for {model}; see {script_command('tinker_pricing.py', 'list', server=False)}"
+    return "no estimate was made"
+
+
 def copy_pricing_command() -> str:
     """How to put the prices beside this script: a `cp` from the bundle when the local backend's launcher
     shows where the bundle is, else the words."""
@@ -2060,7 +2154,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 7e1296808c17) ====
+# ==== END SHARED CODE (sha256 6d39584c785f) ====
 
 
 if __name__ == "__main__":

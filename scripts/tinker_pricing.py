@@ -41,6 +41,10 @@ from pathlib import Path
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
 CATALOGUE_DATE = "2026-10-07"  # newest source behind the snapshot (billed prices incl. promotions)
 STORAGE_USD_PER_GB_MONTH = 0.10
+# What an estimate's total leaves out, said in its `not_counted` (a 0.0 would read as free).
+NOT_COUNTED_STORAGE = (f"storage: checkpoints are billed ${STORAGE_USD_PER_GB_MONTH:.2f} per GB-month for as long as "
+                       "they are kept, which an estimate cannot know (tinker_pricing.py estimate* --storage-gb-months X adds it)")
+NOT_COUNTED_CHECKPOINTS = "checkpoint saves: Tinker meters checkpoint operations per checkpoint, at no published rate"
 MODELS_JSON_URL = "https://tinker-docs.thinkingmachines.ai/tinker/models.json"
 PRICING_PAGE_URL = "https://tinker-docs.thinkingmachines.ai/tinker/models/"
 REFRESH_TIMEOUT_S = 10.0
@@ -546,13 +550,17 @@ def count_sft_tokens(path: str | os.PathLike, tokenizer, max_length: int | None 
 # ==== COST ====
 
 def estimate_cost(model: str, *, prefill=0, cached_prefill=0, sample=0, train=0,
-                  storage_gb_months=0.0, context: int | None = None, rows: list[dict] | None = None) -> dict:
+                  storage_gb_months=None, context: int | None = None, rows: list[dict] | None = None) -> dict:
     """Dollar estimate: tokens of each kind x the row's rate / 1e6, plus storage at $/GB-month.
 
-    A kind with tokens but no known rate gives None there and in `total`, with a `warning`.
+    A kind with tokens but no known rate gives None there and in `total`, with a `warning`. What the total
+    leaves out is named in `not_counted` (never priced as 0): storage when `storage_gb_months` is None (not
+    given; 0 counts it as none), and the per-checkpoint meter, which has no published rate.
     """
     counts = {"prefill": prefill, "cached_prefill": cached_prefill, "sample": sample, "train": train}
     for kind, value in [*counts.items(), ("storage_gb_months", storage_gb_months)]:
+        if kind == "storage_gb_months" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
             raise ValueError(f"{kind} must be a finite number >= 0, got {value!r}")
         _finite(kind, value)
@@ -568,11 +576,13 @@ def estimate_cost(model: str, *, prefill=0, cached_prefill=0, sample=0, train=0,
             missing.append(kind)
         else:
             usd[kind] = round(count * (rate or 0) / 1e6, 10)
-    usd["storage"] = round(storage_gb_months * STORAGE_USD_PER_GB_MONTH, 10)
-    usd["total"] = None if missing else round(sum(usd.values()), 10)
+    usd["storage"] = None if storage_gb_months is None else round(storage_gb_months * STORAGE_USD_PER_GB_MONTH, 10)
+    usd["total"] = None if missing else round(sum(v for v in usd.values() if v is not None), 10)
+    not_counted = ([] if storage_gb_months is not None else [NOT_COUNTED_STORAGE]) + [NOT_COUNTED_CHECKPOINTS]
     result = {"model": row["id"], "catalogue_date": row["catalogue_date"],
               "tokens": {k: round(v) for k, v in counts.items()}, "usd": usd,
-              "rates": {k: row[k] for k in PRICE_KINDS} | {"storage_per_gb_month": STORAGE_USD_PER_GB_MONTH}}
+              "rates": {k: row[k] for k in PRICE_KINDS} | {"storage_per_gb_month": STORAGE_USD_PER_GB_MONTH},
+              "not_counted": not_counted}
     if row["note"]:
         result["note"] = row["note"]
     if missing:
@@ -597,9 +607,11 @@ def summary_line(est: dict, label: str = "") -> str:
     head = f"cost estimate ({label + ': ' if label else ''}{est['model']}, catalogue {est['catalogue_date']})"
     parts = [f"{kind.replace('_', ' ')} {_tok(est['tokens'][kind])} tok {_usd(est['usd'][kind])}"
              for kind in ("train", "prefill", "cached_prefill", "sample") if est["tokens"][kind]]
-    if est["usd"]["storage"]:
+    if est["usd"]["storage"] is not None:
         parts.append(f"storage {_usd(est['usd']['storage'])}")
     line = f"{head}: {_usd(est['usd']['total'])} = {' + '.join(parts) or 'nothing billed'}"
+    left_out = [item.split(":", 1)[0] for item in est.get("not_counted") or []]
+    line += f" | not counted: {', '.join(left_out)}" if left_out else ""
     return line + (f" | warning: {est['warning']}" if est.get("warning") else "")
 
 
@@ -769,14 +781,17 @@ def _run_estimate(args, tokens: dict, inputs: dict, formula: str) -> int:
     if not args.json:
         body = [[kind, f"{est['tokens'][kind]:,}", _rate(est["rates"][kind]), _usd(est["usd"][kind])]
                 for kind in PRICE_KINDS]
-        body.append(["storage", f"{args.storage_gb_months:g} GB-mo", _rate(STORAGE_USD_PER_GB_MONTH),
-                     _usd(est["usd"]["storage"])])
+        storage = args.storage_gb_months
+        body.append(["storage", "not counted" if storage is None else f"{storage:g} GB-mo",
+                     _rate(STORAGE_USD_PER_GB_MONTH), "not counted" if storage is None else _usd(est["usd"]["storage"])])
         body.append(["total", "", "", _usd(est["usd"]["total"])])
         print_table(f"{est['model']} (catalogue {est['catalogue_date']})",
                     ["meter", "tokens", "$/1M", "usd"], body, f"formula: {formula}")
         key = "warning" if est.get("warning") else "note"  # a warning already quotes the note
         if est.get(key):
             print(f"{key}: {est[key]}", file=sys.stderr)
+        for item in est["not_counted"]:
+            print(f"not counted: {item}", file=sys.stderr)
     emit(est)
     total = est["usd"]["total"]
     if args.max_usd is not None and (total is None or total > args.max_usd):
@@ -854,26 +869,116 @@ def write_new_file(path: Path, text: str, force: bool) -> None:
             os.unlink(tmp)
 
 
-_FALLBACK_TEMPLATE = """# Tinker pricing for this project
+# The TINKER_PRICING.md that `init` writes: {{field}} marks are filled by render_pricing_doc(). It lives here, not
+# in a file beside the script, so a copy of this script alone writes the same document as the bundle.
+PRICING_DOC_TEMPLATE = r"""# Tinker pricing for this project
 
-Prices below are a snapshot from {{catalogue_date}} (USD per 1M tokens, as billed). Verify before a
-large run: {{pricing_page}} (machine-readable: {{models_json}}). Actual spend: `tinker billing usage`.
+Written by `tinker_pricing.py init` from the price catalogue of **{{catalogue_date}}**
+({{catalogue_source}}). Prices are USD per 1M tokens **as billed**, promotions included; where a
+promotion applies the list price is shown too, and promotions end. Verify before a large run:
+
+- Models & Pricing page: {{pricing_page}}
+- the same table as JSON: {{models_json}}
+  (`python tinker_pricing.py refresh` stores it and every estimate then uses it)
+- what you actually spent: `tinker billing usage START END` (lags by up to a few hours)
+- which models and context windows your key can use: `tinker model list`
+
+## Training models
 
 {{catalogue_table}}
 
-Storage: ${{storage_rate}} per GB-month.
+A `:peft:<n>` suffix is a separate Tinker id with an `n`-token context window and its own prices.
+Pass the exact id, or `--context N` to let the estimator pick the cheapest id whose window is at
+least `N`.
 
-Formulas: {{formulas}}
+## Serverless inference (beta, sampling only)
 
-(The bundle's templates/TINKER_PRICING.md.tmpl has the full version with the pre-launch checklist.)
+{{serverless_table}}
+
+## Models without a published price
+
+In the newest tinker-cookbook but in no price table we could find. Never budget with a guess for
+these (nor for an `unknown` cell above): check the pricing page, then `refresh` or pass
+`--prices FILE`; estimates for them say "unknown" and `--max-usd` refuses to pass them.
+
+{{unpriced_table}}
+
+## What each operation meters
+
+| meter | what is counted | rate column |
+|---|---|---|
+| training | every token of every datum sent to `forward_backward` (prompt and completion alike; zero loss weights do not reduce it) | train |
+| sampling prefill | prompt tokens of a sample call not served from the prefix cache | prefill |
+| cached prefill | prompt tokens served from the prefix cache: the `num_samples - 1` extra copies of a prompt, and the re-sent prefix of a multi-turn conversation | cached prefill (20% of prefill) |
+| sampled tokens | generated tokens | sample |
+| storage | checkpoints, in GB-months | ${{storage_rate}} per GB-month |
+
+Prefill is a sampling meter only: `forward_backward` bills training tokens, not prefill.
+Reference-model KL scoring and `compute_logprobs` are sample calls with `max_tokens=1`, billed as
+prefill. A resumable `weights/` checkpoint (weights + Adam moments) is about 3x the size of its
+`sampler_weights/` copy; checkpoints never expire unless you set a TTL.
+
+## Formulas
+
+`cost = (prefill x p + cached_prefill x c + sample x s + train x t) / 1e6 + GB-months x {{storage_rate}}`
+
+- **SFT**: `train = examples x mean rendered length x epochs` (exact count:
+  `estimate-sft --data FILE.jsonl --tokenizer DIR`, which sums each datum's length).
+- **Sampling / evaluation**, `N` prompts of `P` tokens, `n` samples each:
+  `prefill = N x P`, `cached_prefill = N x (n - 1) x P`, `sample = N x n x max_tokens` (upper bound).
+- **RL, single turn**, `I` iterations x `B` tasks per iteration x group size `G`, prompt `P`,
+  completion `C`: `prefill = I·B·P`, `cached_prefill = I·B·(G-1)·P`, `sample = I·B·G·C`,
+  `train = I·B·G·(P+C)`.
+- **RL, multi-turn** (`T` turns, new observation `O` tokens per later turn; turn `k` re-sends
+  `P + (k-1)(C+O)` and all of it but the new observation is a cache hit), per group:
+  - `prefill = P + G(T-1)O`
+  - `cached_prefill = (G-1)P + G[(T-1)(P+C) + (C+O)(T-1)(T-2)/2]`
+  - `sample = G·T·C`
+  - `train = G[P + T·C + (T-1)O]` (one merged datum per trajectory)
+
+  then multiply by `I·B`. With `T = 1` this is the single-turn line. If the renderer breaks the
+  prefix between turns (for example it drops earlier thinking), each turn is its own datum and
+  `train = G·Σ_k (P + (k-1)(C+O) + C)`; price that with `estimate --train-tokens`.
+
+A datum is its rendered tokens minus one (targets are shifted by one), so these train counts run
+at most one token per datum high. Not included unless you add them: reference-KL scoring (billed
+as prefill), evaluation sampling, and storage (`--storage-gb-months`).
+
+Estimate before launching:
+
+```bash
+python tinker_pricing.py estimate-rl --model Qwen/Qwen3-8B --iterations 50 --tasks-per-iter 32 \
+    --group-size 8 --avg-prompt 300 --avg-completion 400
+python tinker_pricing.py estimate-sft --model Qwen/Qwen3-8B --examples 10000 --avg-tokens 800 --epochs 3
+python tinker_pricing.py estimate-sample --model Qwen/Qwen3-8B --prompts 500 --avg-prompt 400 --max-tokens 1024 --n 4
+```
+
+## Pre-launch checklist
+
+1. The model id is exact (case-sensitive, `:peft:<n>` suffix included) and its context window
+   covers your longest prompt plus `max_tokens` (`tinker_pricing.py show MODEL`).
+2. The prices above are still current: open the pricing page, or run `tinker_pricing.py refresh`.
+3. The estimate uses measured lengths: mean rendered prompt and completion from a few real
+   examples, not guesses; multi-turn runs pass `--turns` and `--avg-observation`.
+4. RL counts every sampled group, including groups discarded for constant reward: they are billed.
+5. The run has a ceiling: `--max-usd` on the training script stops it before the first paid call.
+6. Checkpoint cadence and retention are chosen: `--save-every`, and a TTL or cleanup for old
+   `weights/` checkpoints (`tinker checkpoint set-ttl`, `tinker checkpoint delete`).
+7. After the first hour, compare `tinker billing usage` with the estimate before letting it run on.
+
+## Sources behind the snapshot
+
+The snapshot was built offline: no first-party copy of the current table was at hand, so each
+row is reconstructed from the dated copies below (most quote Tinker's models.json; the newest
+tinker-cookbook supplies the models with no price). Where they disagree, the row keeps one value
+and its note names the other. `refresh` replaces all of this with the live table.
+
+{{sources}}
 """
 
 
 def render_pricing_doc(rows: list[dict], meta: dict) -> str:
-    here = Path(__file__).resolve().parent
-    template = next((p.read_text(encoding="utf-8") for p in
-                     (here.parent / "templates" / "TINKER_PRICING.md.tmpl", here / "TINKER_PRICING.md.tmpl")
-                     if p.is_file()), _FALLBACK_TEMPLATE)
+    template = PRICING_DOC_TEMPLATE
     unpriced = [r for r in rows if all(r[k] is None for k in PRICE_KINDS)]
     training = [r for r in rows if r["kind"] == "training" and r not in unpriced]
     serverless = [r for r in rows if r["kind"] == "serverless" and r not in unpriced]
@@ -882,7 +987,7 @@ def render_pricing_doc(rows: list[dict], meta: dict) -> str:
         "pricing_page": PRICING_PAGE_URL, "models_json": MODELS_JSON_URL,
         "storage_rate": f"{STORAGE_USD_PER_GB_MONTH:.2f}",
         "catalogue_table": markdown_table(training), "serverless_table": markdown_table(serverless),
-        "unpriced_table": markdown_table(unpriced), "formulas": rl_tokens.__doc__.strip(),
+        "unpriced_table": markdown_table(unpriced),
         "sources": "\n".join(f"- {key}: {text}" for key, text in SOURCES.items()),
     }
     for key, value in fields.items():
@@ -1028,8 +1133,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"Tinker id or short name (default {DEFAULT_MODEL})")
     est.add_argument("--context", type=_number(int, 1), metavar="N",
                      help="pick the cheapest variant with a window >= N tokens")
-    est.add_argument("--storage-gb-months", type=_number(float, 0), default=0.0, metavar="X",
-                     help="checkpoint storage to add, in GB-months")
+    est.add_argument("--storage-gb-months", type=_number(float, 0), default=None, metavar="X",
+                     help="checkpoint storage to add, in GB-months (default: not counted, and said so)")
     est.add_argument("--max-usd", type=_number(float, 0), metavar="USD", help="exit 3 if the estimate is above this")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 

@@ -20,8 +20,8 @@ Edit:
 
 Outputs:
     RUN_DIR/report.html   (or --out FILE) one file, plotly.js embedded: opens offline, no server
-                          SFT (tinker_sft.py): train loss, held-out NLL, learning rate, greedy probes
-                            before/after;
+                          SFT (tinker_sft.py): train loss, held-out NLL, held-out score (--eval-every),
+                            learning rate, greedy probes before/after;
                           RL (tinker_rl.py): reward mean +- std, min/max, fraction of tied groups,
                             KL sample-vs-train, rollout browser (rollouts.jsonl: prompt, completion,
                             reward, advantage, trained/masked tokens);
@@ -29,13 +29,15 @@ Outputs:
                             implicit KL, loss, learning rate;
                           distillation (tinker_distill.py): reverse KL to the teacher, teacher and
                             student logprob, KL sample-vs-train, learning rate;
-                          every kind: cost so far vs estimate when the record has them, checkpoints
-                          table, settings. The learning rate is drawn on a log axis; whitespace and
+                          every kind: a banner when the run was a local rehearsal (another model stood
+                          in for model_name), cost so far vs estimate when the record has them and what
+                          neither counts, checkpoints table, settings. The learning rate is drawn on a log axis; whitespace and
                           control characters in samples show as markers (newline, space, tab), the raw
                           text on hover.
     stdout                one JSON object: status, report (the file written), kind (sft|rl|dpo|distill),
                           rows {config, metrics, eval, checkpoints, rollouts}, skipped_lines, in_progress (true
-                          while a script holds the folder's lock: LOG/.lock, tested without taking it)
+                          while a script holds the folder's lock: LOG/.lock, tested without taking it),
+                          rehearsal (null, or {stand_in, model_name, evidence} for a local rehearsal)
 
 Requires:
     plotly (nothing else: no Tinker call, no tokenizer, no network). Reads only RUN_DIR.
@@ -64,6 +66,13 @@ MAX_ROLLOUTS = 400
 KINDS = {"sft": ("tinker_sft.py", "SFT"), "rl": ("tinker_rl.py", "RL"), "dpo": ("tinker_dpo.py", "DPO"),
          "distill": ("tinker_distill.py", "Distillation")}
 WRITERS = "tinker_sft.py, tinker_rl.py, tinker_dpo.py or tinker_distill.py"
+# What the pre-run estimate and the metered cost/* fields leave out (tinker_pricing.py's not_counted): used when
+# config.json does not list them itself (estimate_not_counted).
+NOT_COUNTED = ("storage: checkpoints are billed per GB-month for as long as they are kept",
+               "checkpoint saves: Tinker meters them per checkpoint, at no published rate")
+# Checkpoint ids the local backend (SkyRL) makes: tinker://model_<hex>/... and, for a loaded state,
+# tinker://session_<hex>:train:N/...; Tinker's own are UUIDs.
+LOCAL_CHECKPOINT_IDS = ("tinker://model_", "tinker://session_")
 
 
 class ReportError(Exception):
@@ -182,7 +191,7 @@ def write_report(run_dir, out, watch=None):
     print(f"wrote {out} ({run['kind']}: {rows['metrics']} metrics rows, {rows['checkpoints']} checkpoints, "
           f"{rows['rollouts']} rollouts{', run in progress' if run['in_progress'] else ''})", file=sys.stderr)
     return {"status": "ok", "report": str(out), "kind": run["kind"], "rows": rows,
-            "skipped_lines": run["skipped_lines"], "in_progress": run["in_progress"]}
+            "skipped_lines": run["skipped_lines"], "in_progress": run["in_progress"], "rehearsal": run["rehearsal"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,12 +224,41 @@ def read_run(run_dir):
     checkpoints = read_rows(run_dir / "checkpoints.jsonl", skipped)
     config = config if isinstance(config, dict) else {}
     return {
+        "rehearsal": local_rehearsal(config, checkpoints),
         "dir": run_dir, "kind": run_kind(config, metrics), "config": config,
         "metrics": metrics, "eval": read_rows(run_dir / "eval.jsonl", skipped), "checkpoints": checkpoints,
         "rollouts": read_rows(run_dir / "rollouts.jsonl", skipped), "skipped_lines": skipped,
         # a live process holds the folder's lock (tested, never taken: reading blocks no writer)
         "in_progress": lock_holder(run_dir) is not None, "finished": any(r.get("name") == "final" for r in checkpoints),
     }
+
+
+def local_rehearsal(config, checkpoints):
+    """{stand_in, model_name, evidence} when the run trained on the local backend (another model stood in for
+    model_name), else None. config.json's "backend" says so ({"kind": "local", "stand_in": ...}); older records
+    are recognised by a `rehearse` setting, a loopback TINKER_BASE_URL / base_url recorded, or the local
+    backend's checkpoint ids in checkpoints.jsonl."""
+    backend = config.get("backend") if isinstance(config.get("backend"), dict) else {}
+    if backend.get("kind") == "tinker":
+        return None
+    evidence = None
+    if backend.get("kind") == "local":
+        evidence = "config.json backend.kind local"
+    elif config.get("rehearse") is True:
+        evidence = "config.json rehearse true"
+    else:
+        for key in ("TINKER_BASE_URL", "base_url", "tinker_base_url"):
+            url = config.get(key)
+            if isinstance(url, str) and any(h in url for h in ("://127.0.0.1", "://localhost", "://[::1]")):
+                evidence = f"config.json {key} {url}"
+                break
+    if evidence is None:
+        paths = [str(r.get(k) or "") for r in checkpoints for k in ("state_path", "sampler_path")]
+        local = next((p for p in paths if p.startswith(LOCAL_CHECKPOINT_IDS)), None)
+        if local is None:
+            return None
+        evidence = f"a local backend checkpoint id ({local})"
+    return {"stand_in": backend.get("stand_in"), "model_name": config.get("model_name"), "evidence": evidence}
 
 
 def run_kind(config, metrics):
@@ -325,6 +363,13 @@ def sft_figures(run, m, chart, line, go):
     elif first_key(m, "test/nll"):
         traces.append(line(m, "step", "test/nll", "held-out test/nll"))
     chart("loss", "Loss: NLL per trained token", traces, "step", "nats / token")
+    scored = [r for r in run["eval"] if finite(r.get("score")) is not None]
+    if scored:  # tinker_sft.py --eval-every: score() of greedy held-out samples, before / during / after
+        chart("score", "Held-out score: mean score() of greedy samples (eval.jsonl)",
+              [line(scored, "step", "score", "held-out score (eval.jsonl)")], "step", "score", axis=(0, 1))
+    elif first_key(m, "eval_score"):
+        chart("score", "Held-out score: mean score() of greedy samples",
+              [line(m, "step", "eval_score")], "step", "score", axis=(0, 1))
     learning_rate_chart(m, "step", chart, line)
 
 
@@ -546,6 +591,8 @@ def render_page(run, watch=None):
     figs = figures(run)
     cfg = run["config"]
     title = f"{KINDS[run['kind']][1]} run {run['dir'].resolve().name}"
+    if run["rehearsal"]:
+        title = f"{title} (local rehearsal)"
     status = ("in progress (a script holds the folder's lock and is writing it)" if run["in_progress"] else
               "finished (final checkpoint saved)" if run["finished"] else
               "stopped before its final checkpoint (nothing is writing it: continue with the same command plus --resume)")
@@ -555,8 +602,9 @@ def render_page(run, watch=None):
         f"<title>{esc(title)}</title><style>{CSS}</style>",
         f"<script>{get_plotlyjs()}</script></head><body>",
         f"<h1>{esc(title)}</h1>",
+        rehearsal_banner(run["rehearsal"]),
         f"<div class='meta'>{esc(run['dir'].resolve())} · {esc(KINDS[run['kind']][0])} · "
-        f"model {esc(cfg.get('model_name', 'unknown'))}{teacher_note(cfg)} · "
+        f"model {esc(cfg.get('model_name', 'unknown'))}{stand_in_note(run['rehearsal'])}{teacher_note(cfg)} · "
         f"{esc(status)} · written {esc(datetime.now(timezone.utc).isoformat(timespec='seconds'))}"
         f"{f' · refreshes every {watch:g} s' if watch else ''}</div>",
     ]
@@ -576,6 +624,7 @@ def render_page(run, watch=None):
     if not cost_series(run):
         parts.append("<p class='note'>no cost in this record (metrics rows carry no cost/cumulative_usd or "
                      f"cost/step_usd){'' if estimate_usd(cfg) is None else f'; pre-run estimate ${estimate_usd(cfg):.4g}'}.</p>")
+    parts += not_counted_note(run)
     parts += checkpoints_table(run["checkpoints"])
     if run["kind"] == "sft":
         parts += probes_table(run["eval"])
@@ -583,6 +632,41 @@ def render_page(run, watch=None):
     parts += settings_table(cfg)
     parts.append(f"<script>{PLOT_JS}</script></body></html>")
     return "\n".join(p for p in parts if p)
+
+
+BANNER_CSS = ("background: #fff3cd; border: 2px solid #d39e00; color: #5c4400; padding: 8px 12px; "
+              "font-size: 15px; font-weight: bold; margin: 8px 0")
+
+
+def rehearsal_banner(rehearsal):
+    """The warning a rehearsal's page opens with: its curves and samples are the stand-in's."""
+    if not rehearsal:
+        return ""
+    model = rehearsal["model_name"] or "the named model"
+    stand_in = rehearsal["stand_in"] or "the local backend's model"
+    return (f"<div id='rehearsal-banner' style='{BANNER_CSS}'>local rehearsal: {esc(stand_in)} stood in for "
+            f"{esc(model)}; losses and samples are not {esc(model)}'s "
+            f"<span style='font-weight: normal; font-size: 12px'>(from {esc(rehearsal['evidence'])}; costs are what "
+            f"the same tokens would cost on Tinker)</span></div>")
+
+
+def stand_in_note(rehearsal):
+    if not rehearsal:
+        return ""
+    return f" (rehearsed: {esc(rehearsal['stand_in'] or 'the local backend model')} stood in)"
+
+
+def not_counted_note(run):
+    """What the estimate and the cost so far leave out, when the record has either."""
+    cfg = run["config"]
+    if estimate_usd(cfg) is None and not cost_series(run):
+        return []
+    items = cfg.get("estimate_not_counted")
+    items = [str(i) for i in items] if isinstance(items, list) else list(NOT_COUNTED)
+    if not items:
+        return []
+    return ["<p class='note' id='not-counted'>not counted in the estimate nor in the cost so far: "
+            + "; ".join(esc(i) for i in items) + ".</p>"]
 
 
 def teacher_note(config):
@@ -615,6 +699,9 @@ def headline(run):
             text += f" · held-out nll before {fmt_num(before)}"
         if after is not None:
             text += f" → after {fmt_num(after)}"
+        scores = [r["score"] for r in run["eval"] if finite(r.get("score")) is not None]
+        if scores:
+            text += f" · held-out score first {fmt_num(scores[0])} → last {fmt_num(scores[-1])}"
     else:
         key = first_key(m, "reward_mean", "env/all/reward/total")
         rewards = [r[key] for r in m if key and finite(r.get(key)) is not None]
@@ -758,10 +845,30 @@ def cli(argv=None):
         return 1
 
 
-# ==== SHARED CODE (generated from common/: errors, render, run_files, service, rollouts) ====
+# ==== SHARED CODE (generated from common/: rehearsal, errors, render, run_files, service, rollouts) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
+
+
+# ---- common/rehearsal.py ----
+# The free rehearsal (--rehearse) on the local backend: which model stands in, each script's preset for it, and the
+# shape of the rehearsal's checks.
+#
+# `tinker_local.py run` exports TINKER_LOCAL_STAND_IN, the model standing in for the named one:
+# - the tiny random Qwen3 (default): the named model's exact tokenizer and chat template, so masks, token counts and
+#   datums are Qwen3's; it memorises a few short answers and nothing more;
+# - SmolLM2-135M-Instruct (`tinker_local.py run --real`): a real, weak instruct model with its own tokenizer and ChatML
+#   template; it follows a prompt, learns a user's answers, earns a user's reward and calls a tool after a warm-up.
+# Each preset below was measured on its model (references/setup.md, "Which model to rehearse on").
+import os
+
+STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"
+
+
+def stand_in() -> str | None:
+    """The model standing in on the local backend (from the launcher), or None (Tinker, or an unknown server)."""
+    return os.environ.get(STAND_IN_ENV) or None
 
 
 # ---- common/errors.py ----
@@ -1010,7 +1117,7 @@ def sampler_version(iteration, start, max_staleness, save_every):
     run did."""
     floor = max(start, iteration // save_every * save_every) if save_every else start
     return max(iteration - max_staleness, floor)
-# ==== END SHARED CODE (sha256 1e3dad43ecfd) ====
+# ==== END SHARED CODE (sha256 c26c36f53ffd) ====
 
 
 if __name__ == "__main__":

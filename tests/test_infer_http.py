@@ -69,9 +69,15 @@ def api_key(monkeypatch):
 
 
 def run(capsys, *argv):
+    code, result, _ = run_err(capsys, *argv)
+    return code, result
+
+
+def run_err(capsys, *argv):
+    """(exit code, the JSON on stdout, stderr)."""
     code = tinker_infer.main(list(argv))
-    out = capsys.readouterr().out.strip().splitlines()
-    return code, json.loads(out[-1])
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out.strip().splitlines()[-1]), captured.err
 
 
 SAMPLER = "tinker://run-abc:train:0/sampler_weights/final"
@@ -203,6 +209,104 @@ def test_script_copied_alone_runs_and_prices_only_with_tinker_pricing_beside_it(
     assert result["usd"] == pytest.approx(expected) and result["usd"] > 0
 
 
+# ---------------------------------------------------------------- --run over --http: as trained (issue 44)
+
+
+def qwen3_run(tmp_path, offline_tokenizer, system=None):
+    """A run record of a Qwen3-8B chat run (thinking off, as tinker_sft.py trains) with the real tokenizer;
+    (log dir, tokenizer, format)."""
+    folder = offline_tokenizer("Qwen3-8B")
+    tokenizer = tinker_infer.load_tokenizer(folder)
+    fmt = json.loads(json.dumps(tinker_infer.chat_format(tokenizer, name=folder)))
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "checkpoints.jsonl").write_text(json.dumps(
+        {"name": "final", "step": 4, "next_batch": 4, "epoch": 0, "state_path": "tinker://run-abc:train:0/weights/final",
+         "sampler_path": SAMPLER, "format": fmt, "time": "2026-12-01T10:00:00Z"}) + "\n")
+    config = {"model_name": "Qwen/Qwen3-8B", "system_prompts": "shared" if system else "none", "system_prompt": system}
+    (log / "config.json").write_text(json.dumps(config))
+    return log, tokenizer, fmt
+
+
+def test_a_run_over_http_is_rendered_as_trained_and_sent_to_completions(oai_server, tmp_path, capsys,
+                                                                        offline_tokenizer):
+    """Before: /chat/completions with the bare messages, so the server's template rendered Qwen3 with thinking on
+    (47 tokens where training rendered 51), and nothing said so. Now the prompt is the SDK route's tokens, as text."""
+    log, tokenizer, fmt = qwen3_run(tmp_path, offline_tokenizer, system="Be terse.")
+    assert fmt["template_kwargs"]["enable_thinking"] is False
+    code, result, err = run_err(capsys, "--http", "--base-url", oai_server.base_url, "--run", str(log),
+                                "--prompt", "2+2?", "--max-tokens", "5", "--stop", "END")
+    assert code == 0, result
+    [(path, _, body)] = oai_server.requests
+    expected = tinker_infer.generation_prompt([{"role": "system", "content": "Be terse."},
+                                               {"role": "user", "content": "2+2?"}], tokenizer, fmt)
+    assert path == "/oai/api/v1/completions" and "messages" not in body
+    assert body["prompt"] == tokenizer.decode(expected, skip_special_tokens=False)
+    assert body["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off, as trained
+    assert tokenizer.encode(body["prompt"], add_special_tokens=False) == expected
+    assert body["stop"] == ["END", "<|im_end|>"]  # --stop, then the format's end-of-turn token
+    assert body["temperature"] == 0.0  # the run's probes sampled greedily
+    assert result["prompt_tokens_as_trained"] == [len(expected)]
+    assert result["format"]["template_kwargs"] == fmt["template_kwargs"]
+    # the test server counts 7 prompt tokens, not the rendered count: said, not silent
+    assert f"counted 7 prompt tokens for prompt 0, not the {len(expected)} rendered here" in err
+
+
+def test_a_run_over_http_is_priced_as_its_base_model(oai_server, tmp_path, capsys, offline_tokenizer):
+    """Before: "no dollar estimate (tinker_pricing.py not beside this script ...)" with the file beside it, because
+    the --http route never knew the sampler path's base model; the run record names it."""
+    import tinker_pricing
+    log, _, _ = qwen3_run(tmp_path, offline_tokenizer)
+    code, result, err = run_err(capsys, "--http", "--base-url", oai_server.base_url, "--run", str(log),
+                                "--prompt", "hi", "--max-tokens", "5")
+    assert code == 0, result
+    assert result["base_model"] == "Qwen/Qwen3-8B"
+    assert result["usd"] == pytest.approx(tinker_pricing.estimate_cost("Qwen/Qwen3-8B", prefill=7, sample=5)["usd"]["total"])
+    assert "no dollar estimate" not in err and "| est. cost $" in err
+    # a bare sampler path: the reason named is the real one
+    code, result, err = run_err(capsys, "--http", "--base-url", oai_server.base_url, "--model", SAMPLER,
+                                "--prompt", "hi")
+    assert code == 0 and result["usd"] is None
+    assert f"no dollar estimate (the --http route does not learn the base model of {SAMPLER}; pass --run" in err
+    assert "not beside this script" not in err
+
+
+def test_several_choices_over_http_are_priced_from_the_servers_usage(oai_server, capsys):
+    """usage counts the n choices together: the total is priced from it (before: 0 completion tokens were priced)."""
+    import tinker_pricing
+    code, result = run(capsys, "--http", "--base-url", oai_server.base_url, "--model", "Qwen/Qwen3-8B",
+                       "--prompt", "hi", "--n", "3", "--max-tokens", "5")
+    assert code == 0, result
+    assert result["usage"] == {"prompt_tokens": 7, "completion_tokens": 15}
+    assert result["usd"] == pytest.approx(tinker_pricing.estimate_cost("Qwen/Qwen3-8B", prefill=7, sample=15)["usd"]["total"])
+    assert [s["usd"] for s in result["samples"]] == [None] * 3  # per choice unknown, not a guess
+
+
+def test_a_dry_run_of_a_run_over_http_estimates_what_it_would_cost(tmp_path, capsys, offline_tokenizer, monkeypatch):
+    """Before: "estimate_usd": null for a known model; the prompts are rendered here, so they are counted."""
+    import tinker_pricing
+    monkeypatch.delenv("TINKER_API_KEY")
+    log, tokenizer, fmt = qwen3_run(tmp_path, offline_tokenizer)
+    code, result = run(capsys, "--http", "--base-url", "http://127.0.0.1:9/oai/api/v1", "--run", str(log),
+                       "--prompt", "2+2?", "--n", "2", "--max-tokens", "16", "--dry-run")
+    assert code == 0, result
+    n_prompt = len(tinker_infer.generation_prompt("2+2?", tokenizer, fmt))
+    assert result["endpoint"] == "http://127.0.0.1:9/oai/api/v1/completions" and result["prompt_tokens"] == [n_prompt]
+    expected = tinker_pricing.estimate_cost("Qwen/Qwen3-8B", prefill=n_prompt, cached_prefill=n_prompt,
+                                            sample=2 * 16)["usd"]["total"]
+    assert result["estimate_usd"] == pytest.approx(expected) and expected > 0
+
+
+def test_a_prompt_whose_text_does_not_tokenize_back_is_refused_over_http(oai_server, tmp_path, capsys,
+                                                                         offline_tokenizer, monkeypatch):
+    log, tokenizer, _ = qwen3_run(tmp_path, offline_tokenizer)
+    # a rendering the text cannot carry: "hi" split into two tokens that re-tokenize as one
+    monkeypatch.setattr(tinker_infer, "render_prompt", lambda row, fmt, tok: tok.encode("h") + tok.encode("i"))
+    code, result = run(capsys, "--http", "--base-url", oai_server.base_url, "--run", str(log), "--prompt", "hi")
+    assert code == 2 and oai_server.requests == []
+    assert "cannot send prompt 0 exactly as" in result["error"] and "without --http" in result["error"]
+
+
 # ---------------------------------------------------------------- against the local backend
 
 
@@ -262,3 +366,26 @@ def test_http_route_on_the_local_backend_samples_a_sampler_checkpoint_in_chat_fo
     code, missing = infer_cli(local_tinker, "--http", "--model", path.replace("http-e2e", "no-such"),
                               "--prompt", "hi", "--max-tokens", "4")
     assert code == 2 and "no-such" in missing["error"], missing
+
+
+@pytest.mark.e2e
+def test_http_route_renders_a_run_as_the_sdk_route_does(local_tinker, local_sft_run):
+    """Issue 44: `--run RUN --http` sent the bare messages to /chat/completions, whose template rendered
+    Qwen3 with thinking on: 47 prompt tokens where the run trained (and the SDK route samples) 51. Now both
+    routes send the same prompt, so the server counts the same tokens and greedy sampling gives the same text."""
+    args = ["--run", str(local_sft_run), "--prompt", "Where is my invoice?", "--max-tokens", "8"]
+    code, sdk = infer_cli(local_tinker, *args)
+    assert code == 0, sdk
+    code, http = infer_cli(local_tinker, "--http", *args)
+    assert code == 0, http
+    assert http["endpoint"] == local_tinker.base_url + "/oai/api/v1/completions"
+    assert http["samples"][0]["prompt_tokens"] == sdk["samples"][0]["prompt_tokens"]
+    assert http["prompt_tokens_as_trained"] == [sdk["samples"][0]["prompt_tokens"]]
+    assert [s["text"] for s in http["samples"]] == [s["text"] for s in sdk["samples"]]  # greedy, as the probes
+    # what the old request (the server's own template and defaults) counts instead: not the trained prompt
+    code, chat = infer_cli(local_tinker, "--http", "--model", sdk["model"], "--system", "", "--prompt",
+                           "Where is my invoice?", "--max-tokens", "8", "--temperature", "0")
+    code_bare, bare = infer_cli(local_tinker, "--run", str(local_sft_run), "--system", "", "--prompt",
+                                "Where is my invoice?", "--max-tokens", "8")
+    assert code == 0 and code_bare == 0, (chat, bare)
+    assert chat["samples"][0]["prompt_tokens"] != bare["samples"][0]["prompt_tokens"], (chat, bare)

@@ -147,9 +147,22 @@ def test_single_turn_rl_bills_the_whole_datum_and_the_group_prompt_once():
     assert tokens == {"prefill": 480_000, "cached_prefill": 3_360_000, "sample": 5_120_000, "train": 8_960_000}
     # $: 0.48*0.195 = 0.0936; 3.36*0.039 = 0.13104; 5.12*0.60 = 3.072; 8.96*0.44 = 3.9424; total 7.23904
     est = tp.estimate_cost("Qwen/Qwen3-8B", **tokens)
-    assert est["usd"] == pytest.approx({"prefill": 0.0936, "cached_prefill": 0.13104, "sample": 3.072,
-                                        "train": 3.9424, "storage": 0.0, "total": 7.23904})
+    usd = dict(est["usd"])
+    assert usd.pop("storage") is None  # not counted, and said so (test_storage_not_given_is_not_counted_...)
+    assert usd == pytest.approx({"prefill": 0.0936, "cached_prefill": 0.13104, "sample": 3.072,
+                                 "train": 3.9424, "total": 7.23904})
     assert cents(est["usd"]["total"]) == 7.24
+
+
+def test_storage_not_given_is_not_counted_and_the_estimate_says_so():
+    """Issue 44: "storage": 0.0 read as free when the estimate had not counted it."""
+    est = tp.estimate_cost("Qwen/Qwen3-8B", train=1_000_000)
+    assert est["usd"]["storage"] is None and est["usd"]["total"] == pytest.approx(0.44)
+    assert [item.split(":")[0] for item in est["not_counted"]] == ["storage", "checkpoint saves"]
+    assert "$0.10 per GB-month" in est["not_counted"][0] and "--storage-gb-months" in est["not_counted"][0]
+    assert "not counted: storage, checkpoint saves" in tp.summary_line(est)
+    zero = tp.estimate_cost("Qwen/Qwen3-8B", train=1_000_000, storage_gb_months=0)  # given as none: counted
+    assert zero["usd"]["storage"] == 0.0 and [i.split(":")[0] for i in zero["not_counted"]] == ["checkpoint saves"]
 
 
 def test_multi_turn_rl_bills_resent_prefixes_at_the_cached_rate():

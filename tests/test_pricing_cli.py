@@ -312,17 +312,23 @@ def test_a_corrupt_override_falls_back_to_the_snapshot_with_a_warning(env, tmp_p
 
 # ---------------------------------------------------------------- copied alone / real tokenizer
 
-def test_script_copied_alone_still_writes_a_pricing_doc(env, tmp_path):
+def test_script_copied_alone_writes_the_same_pricing_doc_as_the_bundle(env, tmp_path):
+    """Issue 44: alone in a folder (no templates/ beside it) init wrote a 67-line fallback without the
+    metering table or the checklist, exit 0, no warning. The document now travels inside the script."""
     alone = tmp_path / "project"
     alone.mkdir()
     (alone / "tinker_pricing.py").write_bytes(SCRIPT.read_bytes())
     proc = subprocess.run([sys.executable, "tinker_pricing.py", "init", "--out", "."], cwd=alone, env=env,
                           capture_output=True, text=True, timeout=60)
-    doc = (alone / "TINKER_PRICING.md").read_text()
     assert proc.returncode == 0, proc.stderr
+    code, _, err = run(env, "init", "--out", tmp_path / "bundle")
+    assert code == 0, err
+    doc = (alone / "TINKER_PRICING.md").read_text()
+    assert doc == (tmp_path / "bundle" / "TINKER_PRICING.md").read_text()
     assert "{{" not in doc and "2026-10-07" in doc
     assert "| `Qwen/Qwen3-8B` | Qwen 3 | 8B dense | Hybrid | 32K | 0.195 | 0.039 | 0.60 | 0.44 |" in doc
-    assert "cached  = (G-1)P + G[(T-1)(P+C) + (C+O)(T-1)(T-2)/2]" in doc
+    assert "## What each operation meters" in doc and "## Pre-launch checklist" in doc
+    assert "`cached_prefill = (G-1)P + G[(T-1)(P+C) + (C+O)(T-1)(T-2)/2]`" in doc
 
 
 def test_estimate_sft_counts_a_jsonl_with_a_real_chat_template(env, tmp_path, offline_tokenizer):

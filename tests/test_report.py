@@ -589,3 +589,107 @@ def test_rollout_texts_show_their_whitespace_too(tmp_path):
     assert run_report(run)[0] == 0
     page = (run / "report.html").read_text()
     assert page.count("<pre class='completion' title='&quot;\\n\\n&quot;'><span class='ws'>⏎</span>") == len(rollouts)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 44: a rehearsal never reads as the named model's run; eval scores drawn; what the cost leaves out
+
+
+BANNER = re.compile(r"<div id='rehearsal-banner'[^>]*>(.*?)</div>", re.S)
+
+
+def banner_text(page):
+    found = BANNER.search(page)
+    return html.unescape(re.sub(r"<[^>]+>", "", found.group(1))) if found else None
+
+
+def test_a_local_rehearsal_opens_with_a_banner_naming_the_model_that_stood_in(tmp_path):
+    """Before: a rehearsal's page read as a Qwen3-8B run (title, model line, curves), nothing said otherwise."""
+    run, _, _ = sft_folder(tmp_path)
+    config = json.loads((run / "config.json").read_text())
+    config["backend"] = {"kind": "local", "stand_in": "tiny-qwen3", "stand_in_kind": "tiny"}
+    (run / "config.json").write_text(json.dumps(config))
+    code, result, err = run_report(run)
+    assert code == 0, err
+    page = (run / "report.html").read_text()
+    assert banner_text(page).startswith("local rehearsal: tiny-qwen3 stood in for Qwen/Qwen3-8B; losses and "
+                                        "samples are not Qwen/Qwen3-8B's")
+    assert page_title(page) == "SFT run sft (local rehearsal)"
+    assert result["rehearsal"] == {"stand_in": "tiny-qwen3", "model_name": "Qwen/Qwen3-8B",
+                                   "evidence": "config.json backend.kind local"}
+
+
+@pytest.mark.parametrize("config, checkpoint_path, evidence", [
+    ({"rehearse": True}, "tinker://run-1/weights/000002", "config.json rehearse true"),
+    ({"TINKER_BASE_URL": "http://127.0.0.1:8765"}, "tinker://run-1/weights/000002",
+     "config.json TINKER_BASE_URL http://127.0.0.1:8765"),
+    ({}, "tinker://model_3fa2c9d1/weights/000002", "a local backend checkpoint id (tinker://model_3fa2c9d1/weights/000002)"),
+    ({}, "tinker://session_0a1b2c3d:train:0/weights/000002", "a local backend checkpoint id"),
+])
+def test_an_older_rehearsal_record_is_recognised_without_a_backend_field(tmp_path, config, checkpoint_path, evidence):
+    run, _, _ = sft_folder(tmp_path)
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B", **config}))
+    write_rows(run / "checkpoints.jsonl", [{"name": "000002", "step": 2, "state_path": checkpoint_path,
+                                            "sampler_path": None}])
+    code, result, err = run_report(run)
+    assert code == 0, err
+    assert banner_text((run / "report.html").read_text()).startswith(
+        "local rehearsal: the local backend's model stood in for Qwen/Qwen3-8B; losses and samples are not "
+        "Qwen/Qwen3-8B's")
+    assert result["rehearsal"]["evidence"].startswith(evidence)
+
+
+@pytest.mark.parametrize("config, checkpoint_path", [
+    ({"backend": {"kind": "tinker", "stand_in": None, "stand_in_kind": None}}, "tinker://model_x/weights/1"),
+    ({}, "tinker://3f2a0b4e-6c1d-4e8f-9a7b-1c2d3e4f5a6b:train:0/weights/000002"),
+])
+def test_a_run_on_tinker_has_no_rehearsal_banner(tmp_path, config, checkpoint_path):
+    run, _, _ = sft_folder(tmp_path)
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B", **config}))
+    write_rows(run / "checkpoints.jsonl", [{"name": "final", "step": 4, "state_path": checkpoint_path}])
+    code, result, err = run_report(run)
+    assert code == 0, err
+    assert result["rehearsal"] is None and banner_text((run / "report.html").read_text()) is None
+
+
+def test_sft_held_out_scores_are_drawn_as_logged(tmp_path):
+    """tinker_sft.py --eval-every writes score() of greedy held-out samples in eval.jsonl; before: not drawn."""
+    run, _, evals = sft_folder(tmp_path)
+    scored = [{"step": 0, "when": "before", "nll": 3.25, "score": 0.0, "scored": 8},
+              {"step": 2, "when": "during", "nll": 2.75, "score": 0.375, "scored": 8},
+              {"step": 4, "when": "after", "nll": 2.5, "score": 0.625, "scored": 8}]
+    write_rows(run / "eval.jsonl", scored)
+    code, _, err = run_report(run)
+    assert code == 0, err
+    page = (run / "report.html").read_text()
+    drawn = trace(figures_in(page)["score"], "held-out score (eval.jsonl)")
+    assert drawn["x"] == [0, 2, 4] and drawn["y"] == [0.0, 0.375, 0.625]
+    assert "held-out score first 0 → last 0.625" in html.unescape(page)
+
+
+def test_sft_metrics_eval_score_is_drawn_when_eval_rows_carry_none(tmp_path):
+    run, metrics, _ = sft_folder(tmp_path)
+    rows = [dict(m, eval_score=0.25 * m["step"]) if m["step"] % 2 == 0 else m for m in metrics]
+    write_rows(run / "metrics.jsonl", rows)
+    code, _, err = run_report(run)
+    assert code == 0, err
+    drawn = trace(figures_in((run / "report.html").read_text())["score"], "eval_score")
+    assert drawn["x"] == [2, 4] and drawn["y"] == [0.5, 1.0]
+
+
+def test_what_the_estimate_and_the_cost_leave_out_is_said(tmp_path):
+    """Before: the page showed an estimate and a cost with no word that storage was not in them."""
+    run, _, _ = sft_folder(tmp_path)  # estimate_usd 0.25, no cost rows
+    code, _, err = run_report(run)
+    assert code == 0, err
+    note = re.search(r"<p class='note' id='not-counted'>(.*?)</p>", (run / "report.html").read_text()).group(1)
+    assert note.startswith("not counted in the estimate nor in the cost so far: storage: ")
+    assert "checkpoint saves" in note
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "estimate_not_counted": ["storage: 2 GB kept a month"]}))
+    run_report(run)
+    note = re.search(r"<p class='note' id='not-counted'>(.*?)</p>", (run / "report.html").read_text()).group(1)
+    assert note == "not counted in the estimate nor in the cost so far: storage: 2 GB kept a month."
+    (run / "config.json").write_text(json.dumps({"model_name": "Qwen/Qwen3-8B"}))  # no estimate, no cost: nothing
+    run_report(run)
+    assert "id='not-counted'" not in (run / "report.html").read_text()

@@ -326,6 +326,15 @@ def test_report_of_a_local_sft_run_renders_in_chromium(local_sft_run, tmp_path):
     estimate = json.loads((log / "config.json").read_text())["estimate_usd"]
     assert [s["y0"] for s in figs["cost"]["layout"]["shapes"]] == [estimate]
     assert 0 < cost["y"][-1] < after["cost/cumulative_usd"] <= estimate  # samples may stop before --max-tokens
+    # a rehearsal on the local backend (issue 44): the banner is on the drawn page, and --eval-every's held-out
+    # scores are a curve of their own, exactly as logged
+    banner = re.search(r"<div id=\"rehearsal-banner\"[^>]*>(.*?)</div>", dom, re.S)
+    assert banner and "stood in for Qwen/Qwen3-8B; losses and samples are not Qwen/Qwen3-8B's" in html.unescape(
+        re.sub(r"<[^>]+>", "", banner.group(1)))
+    assert result["rehearsal"]["model_name"] == "Qwen/Qwen3-8B"
+    scored = [r for r in rows(log / "eval.jsonl") if r.get("score") is not None]
+    score = trace(figs["score"], "held-out score (eval.jsonl)")
+    assert len(scored) >= 3 and score["x"] == [r["step"] for r in scored] and score["y"] == [r["score"] for r in scored]
 
 
 @pytest.mark.e2e
