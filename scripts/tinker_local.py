@@ -952,6 +952,8 @@ def _terminate_raises():
 
 
 def _start_from_args(args) -> Server:
+    if args.real and args.weights is not None:  # bad usage (exit 2), before a banner names a model that won't serve
+        raise UsageError("--real serves the real model; drop --weights (or drop --real to serve your own folder)")
     if args.real:
         say(REAL_BANNER.format(model=args.model))
         for name in args.also_serve:
