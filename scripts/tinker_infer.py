@@ -1544,8 +1544,10 @@ class Run:
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
         if saved_fmt and saved_fmt != config.get("format"):
             diffs.append("format (tokenizer, chat template or --format/--thinking)")
-        trained_on, here = (saved.get("backend") or {}).get("stand_in"), backend_record()["stand_in"]
-        if saved.get("backend") and trained_on != here:  # a checkpoint of one model restored into another
+        trained_on, now = (saved.get("backend") or {}).get("stand_in"), backend_record()
+        here = now["stand_in"]
+        known = here is not None or now["kind"] == "tinker"  # a local server started without the launcher: unknown
+        if saved.get("backend") and known and trained_on != here:  # a checkpoint of one model restored into another
             diffs.append(f"the model standing in ({trained_on or 'Tinker itself'} -> {here or 'Tinker itself'}: resume "
                          "under the launcher it trained with, `tinker_local.py run" +
                          (" --real" if (saved["backend"].get("stand_in_kind") == "real") else "") + " -- ...`)")
@@ -2154,7 +2156,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 6d39584c785f) ====
+# ==== END SHARED CODE (sha256 f68f48cbe9a2) ====
 
 
 if __name__ == "__main__":

@@ -2400,8 +2400,10 @@ class Run:
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
         if saved_fmt and saved_fmt != config.get("format"):
             diffs.append("format (tokenizer, chat template or --format/--thinking)")
-        trained_on, here = (saved.get("backend") or {}).get("stand_in"), backend_record()["stand_in"]
-        if saved.get("backend") and trained_on != here:  # a checkpoint of one model restored into another
+        trained_on, now = (saved.get("backend") or {}).get("stand_in"), backend_record()
+        here = now["stand_in"]
+        known = here is not None or now["kind"] == "tinker"  # a local server started without the launcher: unknown
+        if saved.get("backend") and known and trained_on != here:  # a checkpoint of one model restored into another
             diffs.append(f"the model standing in ({trained_on or 'Tinker itself'} -> {here or 'Tinker itself'}: resume "
                          "under the launcher it trained with, `tinker_local.py run" +
                          (" --real" if (saved["backend"].get("stand_in_kind") == "real") else "") + " -- ...`)")
@@ -2919,7 +2921,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 954a655a74b9) ====
+# ==== END SHARED CODE (sha256 eb3d35627857) ====
 
 
 if __name__ == "__main__":

@@ -222,6 +222,7 @@ def local_real_sft_run(local_real_tinker, tmp_path_factory) -> RealSftRun:
     `tinker_sft.py --rehearse --data templates/sft_example.jsonl` (the real-model preset: 48 steps, lr 2e-3 linear,
     rank 32, batch 4, held-out NLL every 8 steps)."""
     log = tmp_path_factory.mktemp("local_real_sft_run") / "runs" / "sft-real"
+    log.parent.mkdir(parents=True)
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_sft.py"), "--rehearse", "--data",
                           str(ROOT / "templates" / "sft_example.jsonl"), "--log-path", str(log)],
                          capture_output=True, text=True, env=local_real_tinker.env, cwd=log.parent, timeout=1500)

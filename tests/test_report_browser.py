@@ -381,7 +381,7 @@ def test_report_of_a_local_dpo_run_renders_in_chromium(local_tinker, tmp_path):
     assert result["kind"] == "dpo" and result["in_progress"] is False
     page = report.read_text()
     dom, console, shot = load_in_browser(report, tmp_path, "report-dpo.png")
-    assert console == [] and "<h1>DPO run dpo</h1>" in dom
+    assert console == [] and "<h1>DPO run dpo (local rehearsal)</h1>" in dom
     figs = assert_every_figure_drawn(dom, page)
     assert set(figs) == {"accuracy", "margin", "rewards", "implicit_kl", "loss", "learning_rate", "cost"}
     metrics = rows(log / "metrics.jsonl")
@@ -411,7 +411,7 @@ def test_report_of_a_local_distillation_run_renders_in_chromium(local_tinker, tm
     assert result["kind"] == "distill" and result["in_progress"] is False
     page = report.read_text()
     dom, console, shot = load_in_browser(report, tmp_path, "report-distill.png")
-    assert console == [] and "<h1>Distillation run distill</h1>" in dom
+    assert console == [] and "<h1>Distillation run distill (local rehearsal)</h1>" in dom
     figs = assert_every_figure_drawn(dom, page)
     assert {"reverse_kl", "logprobs", "kl", "learning_rate", "cost"} <= set(figs)
     metrics = rows(log / "metrics.jsonl")
