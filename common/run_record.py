@@ -223,7 +223,8 @@ class Run:
             diffs.append("format (tokenizer, chat template or --format/--thinking)")
         trained_on, now = (saved.get("backend") or {}).get("stand_in"), backend_record()
         here = now["stand_in"]
-        known = here is not None or now["kind"] == "tinker"  # a local server started without the launcher: unknown
+        # unknown: a local server started without the launcher, or no service at all (a --dry-run with no key)
+        known = here is not None or (now["kind"] == "tinker" and bool(os.environ.get("TINKER_API_KEY")))
         if saved.get("backend") and known and trained_on != here:  # a checkpoint of one model restored into another
             diffs.append(f"the model standing in ({trained_on or 'Tinker itself'} -> {here or 'Tinker itself'}: resume "
                          "under the launcher it trained with, `tinker_local.py run" +
