@@ -112,8 +112,17 @@ def script_command(name: str, *args, server: bool = True) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the same model stands in again
-        command = f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
+    return under_launcher(command) if server else command
+
+
+def under_launcher(command: str) -> str:
+    """`command` wrapped in `tinker_local.py run [--real] --` when this script runs under the launcher: the
+    same model stands in again and the same checkpoint store answers."""
+    import shlex
+
+    launcher = local_launcher()
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        return f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
     return command
 
 

@@ -378,8 +378,17 @@ def script_command(name: str, *args, server: bool = True) -> str:
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
     command = "python " + shlex.join([path or name, *map(str, args)])
-    if server and launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the same model stands in again
-        command = f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
+    return under_launcher(command) if server else command
+
+
+def under_launcher(command: str) -> str:
+    """`command` wrapped in `tinker_local.py run [--real] --` when this script runs under the launcher: the
+    same model stands in again and the same checkpoint store answers."""
+    import shlex
+
+    launcher = local_launcher()
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        return f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
     return command
 
 
@@ -1055,7 +1064,9 @@ def reference_answer(example):
 # atomically, a torn last line (a kill mid-write) is ignored when read, and nothing in the folder
 # changes until every check that can refuse the run (flags, data, budget) has passed.
 import json
+import math
 import os
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -1086,6 +1097,45 @@ COOKBOOK_RENDERERS = (
     ("moonshotai/Kimi-K2", ("kimi_k2", "kimi_k2")),
     ("nvidia/NVIDIA-Nemotron-3", ("nemotron3_disable_thinking", "nemotron3")),
 )
+
+
+class NonFiniteError(ScriptError):
+    """A loss, KL or reward that is NaN or inf: what follows it would train on garbage (exit 1)."""
+
+
+def non_finite(row: dict) -> dict:
+    """The numeric values of a metrics row (one level of nesting, as "outer/inner") that are NaN or inf."""
+    bad = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            bad.update({f"{key}/{k}": v for k, v in non_finite(value).items()})
+        elif isinstance(value, float) and not math.isfinite(value):
+            bad[key] = value
+    return bad
+
+
+def edited_command(sets: dict, drop=()) -> str:
+    """This script's command line with each flag in `sets` given that value in place (None: a bare flag), added
+    at the end when absent, and the flags in `drop` (bare flags) removed: a command to paste after a failure."""
+    argv, out, i, todo = list(sys.argv), [], 1, dict(sets)
+    while i < len(argv):
+        flag, eq, _ = argv[i].partition("=")
+        if flag in drop or flag in sets:
+            takes_value = not eq and flag not in drop and sets.get(flag) is not None
+            i += 2 if takes_value and i + 1 < len(argv) else 1
+            if flag in todo:
+                value = todo.pop(flag)
+                out += [flag] if value is None else [flag, str(value)]
+            continue
+        out.append(argv[i])
+        i += 1
+    for flag, value in todo.items():
+        out += [flag] if value is None else [flag, str(value)]
+    saved, sys.argv = sys.argv, [argv[0], *out]
+    try:
+        return under_launcher(this_command())
+    finally:
+        sys.argv = saved
 
 
 def now_iso() -> str:
@@ -1185,8 +1235,13 @@ class Run:
         """One row, fsynced; a torn last line left by a kill is closed first so the new row stays whole.
         A metrics row also carries the cookbook's names for the values it has (COOKBOOK_METRIC_NAMES).
         Returns the row as written."""
+        bad = non_finite(row) if name == "metrics.jsonl" else {}
         if name == "metrics.jsonl":
             row = {**row, **{theirs: row[ours] for ours, theirs in COOKBOOK_METRIC_NAMES.items() if ours in row}}
+            if bad:  # JSON has no NaN: the row stays valid JSON and says which values were not finite
+                row = {k: (None if k in bad or COOKBOOK_METRIC_NAMES.get(k) in bad else v) for k, v in row.items()}
+                row.update({theirs: None for ours, theirs in COOKBOOK_METRIC_NAMES.items() if ours in bad})
+                row["non_finite"] = {k: repr(v) for k, v in bad.items()}
         path = self.file(name)
         with open(path, "ab+") as f:
             f.seek(0, os.SEEK_END)
@@ -1197,7 +1252,35 @@ class Run:
             f.write((json.dumps(row) + "\n").encode())
             f.flush()
             os.fsync(f.fileno())
+        if bad:
+            raise NonFiniteError(self.diverged_message(row, bad))
         return row
+
+    def diverged_message(self, row: dict, bad: dict) -> str:
+        """Why a run stopped on a NaN or inf metric: which values, the likely cause, where to continue from."""
+        where = next((f"{k} {row[k]}" for k in ("step", "iteration") if k in row), "the last row")
+        values = ", ".join(f"{k} = {v!r}" for k, v in bad.items())
+        config = self.config()
+        lr = config.get("learning_rate")
+        # (a reward that is not finite is refused where it is returned: checked_reward, before any training)
+        cause = ("the learning rate is the usual cause" + (f" (--learning-rate {lr:g} on {config.get('model_name')})"
+                                                            if isinstance(lr, (int, float)) else ""))
+        lower = {"--learning-rate": f"{lr / 4:g}"} if isinstance(lr, (int, float)) else {}
+        # A checkpoint is sound when a finite row evaluated its weights: the row at step s+1 (SFT, DPO) or
+        # iteration s (RL, distillation) was computed with the weights after s optimizer steps.
+        evaluated = row["step"] - 1 if "step" in row else row.get("iteration", 0)
+        ckpt = [c for c in self.checkpoints() if (c.get("step") or 0) < evaluated]
+        if ckpt:
+            new_log = f"{self.path}-lr{lower.get('--learning-rate', 'lower')}"
+            again = edited_command({**lower, "--init-from": ckpt[-1]["state_path"], "--log-path": new_log},
+                                   drop=("--resume", "--overwrite"))
+            resume = (f"the last sound checkpoint is {ckpt[-1].get('name')} ({ckpt[-1]['state_path']}): continue "
+                      f"from it at a lower rate in a new folder: {again} (--resume would repeat the same settings)")
+        else:
+            again = edited_command({**lower, "--overwrite": None}, drop=("--resume",))
+            resume = f"no checkpoint was saved before it (nothing sound to --resume from): start again: {again}"
+        return (f"training diverged at {where}: {values} (metrics.jsonl in {self.path}, the run stops here, "
+                f"exit 1, no later checkpoint is saved); {cause}; {resume}")
 
     def write_json(self, name, obj) -> None:
         """Atomic replace: a kill leaves the old file or the new one, never half of one."""
@@ -1265,7 +1348,8 @@ class Run:
             diffs.append("format (tokenizer, chat template or --format/--thinking)")
         trained_on, now = (saved.get("backend") or {}).get("stand_in"), backend_record()
         here = now["stand_in"]
-        known = here is not None or now["kind"] == "tinker"  # a local server started without the launcher: unknown
+        # unknown: a local server started without the launcher, or no service at all (a --dry-run with no key)
+        known = here is not None or (now["kind"] == "tinker" and bool(os.environ.get("TINKER_API_KEY")))
         if saved.get("backend") and known and trained_on != here:  # a checkpoint of one model restored into another
             diffs.append(f"the model standing in ({trained_on or 'Tinker itself'} -> {here or 'Tinker itself'}: resume "
                          "under the launcher it trained with, `tinker_local.py run" +
@@ -1822,7 +1906,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 e665f31f7750) ====
+# ==== END SHARED CODE (sha256 14d6caf48b6c) ====
 
 
 if __name__ == "__main__":

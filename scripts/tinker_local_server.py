@@ -105,6 +105,7 @@ import contextlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import shutil
 import signal
@@ -1076,6 +1077,12 @@ def apply_engine_shims() -> None:
             logprobs = getattr(out, "prompt_logprobs", None)
             if logprobs is not None and len(logprobs) == sum(len(c.tokens) for c in data.prompt.chunks) - 1:
                 out.prompt_logprobs = [None, *logprobs]
+            # Weights that diverged sample NaN log-probabilities; JSON carries them as null, which the SDK's
+            # float field refuses, and it then retries the same result for ever. Fail the request, saying why.
+            if any(not math.isfinite(lp) for seq in getattr(out, "sequences", None) or () for lp in seq.logprobs):
+                results[rid] = types.ErrorResponse(status="failed", error=(
+                    "the sampled log-probabilities are NaN or inf: the model's weights diverged (the usual cause "
+                    "is a learning rate too high); sample an earlier checkpoint or train again at a lower rate"))
         return results
 
     # D. sampling beside training: skyrl's JAX loop runs one kind of request at a time (the
@@ -1744,7 +1751,13 @@ def shim_slot_local_training(jax_backend) -> None:
         hp["weight_decay"][...] = adam.weight_decay
         with jax.set_mesh(self.mesh):
             found.grads, metrics = kit(self).update(found.grads, found.lora, found.optimizer, jnp.int32(0))
-        return types.OptimStepOutput(metrics=jax.device_get(metrics).to_output_metrics())
+        out = jax.device_get(metrics).to_output_metrics()
+        # A diverged step has a NaN/inf gradient norm; JSON carries it as null, which the SDK's float field
+        # refuses (a pydantic error at .result(), nothing about the cause). Leave it out: the next loss is NaN
+        # and says so, as a hosted run's would.
+        for name in [k for k, v in out.items() if not math.isfinite(v)]:
+            jax_backend.logger.warning(f"optim_step of {model_id}: {name} is {out.pop(name)} (training diverged)")
+        return types.OptimStepOutput(metrics=out)
 
     def create_model_with_own_slot(self, model_id, lora_config, model_role="policy"):
         """A training model gets its index and its own slot; the shared arrays are left alone (skyrl's
