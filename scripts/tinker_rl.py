@@ -348,6 +348,7 @@ def train_run(args, job, run):
                                 args.iterations * args.batch_size // job.n_train, job.fmt, final=True)
     else:
         final = resume_row
+    print_outcome(args, job, run, rewards_seen, final, cost.cumulative)
     emit({"status": "ok", "log_path": str(run.path), "iterations": args.iterations,
           "state_path": final["state_path"], "sampler_path": final["sampler_path"],
           "reward": {"first": rewards_seen[0] if rewards_seen else None,
@@ -738,6 +739,29 @@ def iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds,
     return row
 
 
+def print_outcome(args, job, run, rewards, final, usd):
+    """A few lines a newcomer can read, as tinker_sft.py ends: what trained, how the reward moved, where it is."""
+    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("reward_mean"), (int, float))]
+    q = max(1, len(rows) // 4)
+    head, tail = (sum(r["reward_mean"] for r in part) / len(part) for part in (rows[:q], rows[-q:])) if rows else (0, 0)
+    start = f"from {args.init_from}" if args.init_from else f"a new LoRA (rank {args.lora_rank})"
+    lines = ["", "==== what happened ====",
+             f"trained  {model_label(args.model_name)}, {start}: {args.iterations} iterations of {args.batch_size} "
+             f"tasks x {args.group_size} samples ({args.loss_fn}, --learning-rate {args.learning_rate:g}), reward "
+             f"from {'reward() (EDIT ME)' if args.reward == 'own' else 'the stand-in reward'}",
+             f"reward   mean {head:.3f} over the first {q} iteration(s) -> {tail:.3f} over the last {q} "
+             f"(per iteration: {', '.join(f'{r:.2f}' for r in rewards[-12:])})",
+             f"record   {short_path(run.path)}/ (config.json, metrics.jsonl, rollouts.jsonl, checkpoints.jsonl); "
+             f"final sampler {final.get('sampler_path')}",
+             f"on Tinker this run cost about ${usd:.4f} ({args.model_name}, as metered in cost/cumulative_usd"
+             f"{stand_in_cost_note()})",
+             "next     sample it: " + script_command("tinker_infer.py", "--run", run.path)]
+    page = write_report(run.path)
+    if page:
+        lines.insert(-1, f"report   {page} (its curves and checkpoints)")
+    say("\n".join(lines))
+
+
 def progress_line(it, total, row):
     kl = row.get("kl_sample_train_v1")
     return (f"iter {it + 1}/{total} | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | "
@@ -965,6 +989,17 @@ def backend_record() -> dict:
     local = name is not None or host in ("127.0.0.1", "localhost", "::1")
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
+
+
+def model_label(model_name: str) -> str:
+    """The model a run trained, as a summary names it: with the local model that stood in for it, if one did."""
+    return f"{model_name} (the local backend's {stand_in()} standing in)" if stand_in() else model_name
+
+
+def stand_in_cost_note() -> str:
+    """What a rehearsal's dollar figure means: on the real model the tokens were counted by its tokenizer."""
+    return ("; counted in SmolLM2's tokens, which differ from the named model's: a --dry-run without --real counts "
+            "those" if real_stand_in() else "")
 
 
 # ---- common/errors.py ----
@@ -1987,6 +2022,22 @@ def cookbook_config_fields(config: dict) -> dict:
             "dataset_builder": {"common_config": common, "file_path": config.get("data")}}
 
 
+def write_report(log):
+    """The run's HTML report by tinker_report.py when it is beside this script (else None): one page a person
+    can open. A failure here costs the run nothing; the record is complete already."""
+    tool = Path(__file__).resolve().parent / "tinker_report.py"
+    if not tool.exists():
+        return None
+    import subprocess
+    import sys
+
+    try:
+        out = subprocess.run([sys.executable, str(tool), str(log)], capture_output=True, text=True, timeout=300)
+        return json.loads(out.stdout.strip().splitlines()[-1]).get("report") if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
 # ---- common/service.py ----
 # Reaching Tinker: credentials, a fast reachability check, the served-model check, checkpoint paths,
 # and the optional cost preflight and per-step cost metering through tinker_pricing.py beside the script.
@@ -2949,7 +3000,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 a69a4c51b471) ====
+# ==== END SHARED CODE (sha256 12b5aa43889c) ====
 
 
 if __name__ == "__main__":

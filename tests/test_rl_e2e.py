@@ -101,6 +101,12 @@ def test_default_rehearsal_runs_every_iteration_with_reward_rising(local_tinker,
     assert all(m["tokens_sampled"] <= 2 * 4 * 8 for m in metrics)
     result = json.loads(out.stdout)
     assert result["status"] == "ok" and result["reward"] == {"first": means[0], "last": means[-1]}
+    # it ends with the summary tinker_sft.py prints: what trained, the reward's move, the record, the cost, next
+    summary = out.stderr.split("==== what happened ====\n", 1)[1].splitlines()
+    assert summary[0].startswith("trained  Qwen/Qwen3-8B (the local backend's tiny-qwen3 standing in), a new LoRA")
+    assert summary[1].startswith(f"reward   mean {means[0]:.3f} over the first 1 iteration(s) -> {means[-1]:.3f}")
+    assert any(line.startswith("record   ") for line in summary) and any("cost/cumulative_usd" in x for x in summary)
+    assert any(line.startswith("next     sample it: ") and "tinker_infer.py --run" in line for line in summary)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["rehearse"] is True and config["learning_rate"] == 1e-2 and config["batch_size"] * config["group_size"] == 8
 
