@@ -120,3 +120,18 @@ def test_a_diverging_sft_run_stops_with_exit_1_and_no_ok(local_tinker, tmp_path)
     names = [r["name"] for r in strict((log / "checkpoints.jsonl").read_text())]
     assert "final" not in names and len(names) < len(rows)  # the diverged step's save is not recorded
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.e2e
+def test_an_rl_run_whose_weights_diverge_stops_at_its_next_sample_saying_why(local_tinker, tmp_path):
+    """The default rehearsal at a learning rate of 1e30: iteration 1's loss is still finite (RL's loss is small),
+    its optim step leaves NaN weights, and iteration 2's sample fails with the cause instead of retrying."""
+    out = subprocess.run([sys.executable, str(SCRIPTS / "tinker_rl.py"), "--log-path", str(tmp_path / "rl"),
+                          "--learning-rate", "1e30"],
+                         capture_output=True, text=True, env=local_tinker.env, cwd=tmp_path, timeout=900)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert '"status": "ok"' not in out.stdout and "Traceback" not in out.stderr
+    error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert error and "the sampled log-probabilities are NaN or inf: the model's weights diverged" in error[-1]
+    saved = tmp_path / "rl" / "checkpoints.jsonl"
+    assert not saved.exists() or '"final"' not in saved.read_text()
