@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from errors import DataError, RenderError, local_launcher, say, this_command  # splice: drop
+from errors import DataError, RenderError, local_launcher, python_command, say, this_command  # splice: drop
 from flags import check_free_space  # splice: drop
 from rehearsal import real_stand_in  # splice: drop
 
@@ -66,7 +66,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
     if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
         next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
-                      f"python {launcher} run --model {name} -- {command}")
+                      f"{python_command(launcher, 'run', '--model', name, '--')} {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
