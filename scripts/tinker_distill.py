@@ -1095,6 +1095,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -2415,7 +2419,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 d0211657572c) ====
+# ==== END SHARED CODE (sha256 367454582a0f) ====
 
 
 if __name__ == "__main__":

@@ -954,6 +954,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -1535,14 +1539,19 @@ def check_role_order(msgs, where, *, need_assistant=True):
 
 
 def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
-    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs. With a `source` (a
+    --test-data file, a built-in set) an example's "line" stays its line number (an int, as in datums.jsonl and
+    eval.jsonl) and "source" names the file for messages (render.example_where)."""
     out = []
     for i, item in enumerate(items):
         if isinstance(item, tuple) and len(item) == 2:
             where, obj = item
         else:
             where, obj = i + 1, item
-        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+        example = validate(obj, where if source is None else f"{where} of {source}")
+        if source is not None and isinstance(where, int):
+            example.update(line=where, source=str(source))
+        out.append(example)
     return out
 
 
@@ -2234,7 +2243,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 04cf68e29f46) ====
+# ==== END SHARED CODE (sha256 64ed3aefbf5a) ====
 
 
 if __name__ == "__main__":

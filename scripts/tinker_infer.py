@@ -868,6 +868,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -2173,7 +2177,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 2a24c77c4c38) ====
+# ==== END SHARED CODE (sha256 07d78f6d308c) ====
 
 
 if __name__ == "__main__":

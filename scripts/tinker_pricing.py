@@ -828,6 +828,7 @@ def cmd_estimate_sft(args) -> int:
     if args.data:
         if not args.tokenizer:
             raise ValueError("--data needs --tokenizer DIR (a Hugging Face tokenizer folder or name)")
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" notice
         try:
             from transformers import AutoTokenizer
         except ImportError:

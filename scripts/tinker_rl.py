@@ -497,6 +497,7 @@ class Job:
     loss_config: dict | None
     tasks_sha256: str
     n_train: int = 0  # tasks[:n_train] are trained on, tasks[n_train:] only evaluated
+    system: dict = dataclasses.field(default_factory=dict)  # config.json's system_prompt(s): what infer --run sends
 
 
 def prepare(args) -> Job:
@@ -534,13 +535,14 @@ def prepare(args) -> Job:
     lengths = [len(p) for p in prompts]
     say(f"{len(env['tasks'])} tasks + {len(tasks) - len(env['tasks'])} held out (--env {args.env}), prompts {min(lengths)}-{max(lengths)} tokens, max "
         f"{args.max_tokens} tokens per turn, up to {args.max_turns if env['env_step'] else 1} turn(s)")
-    return Job(env, tasks, tokenizer, fmt, prompts, loss_fn_config(args), digest, len(env["tasks"]))
+    return Job(env, tasks, tokenizer, fmt, prompts, loss_fn_config(args), digest, len(env["tasks"]),
+               system_prompt_record(messages))
 
 
 def run_config(args, job, context_window):
     config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
     config.update(loss_fn_config=job.loss_config, context_window=context_window, n_tasks=job.n_train,
-                  tasks_sha256=job.tasks_sha256, format=job.fmt)
+                  tasks_sha256=job.tasks_sha256, format=job.fmt, **job.system)
     return config
 
 
@@ -1262,6 +1264,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -1897,6 +1903,24 @@ class Run:
                "batch": next(iter(position.values())), "final": name == "final"}
         self.append("checkpoints.jsonl", row)
         return row
+
+
+def system_prompt_record(conversations) -> dict:
+    """config.json's record of what sampling needs to prompt as training did: the system prompt every
+    conversation shares ("system_prompts": "shared"), none ("none"), or the note that they differ ("differ");
+    tinker_infer.py --run uses a shared one by default. conversations: SFT examples ({"messages"} or
+    {"prompt", "completion"}) or RL prompts as render_prompt() gave them (a message list, or a str)."""
+    def system(conversation):
+        messages = conversation.get("messages") if isinstance(conversation, dict) else conversation
+        first = messages[0] if isinstance(messages, list) and messages else None
+        return first["content"] if isinstance(first, dict) and first.get("role") == "system" else None
+
+    systems = {system(c) for c in conversations}
+    if systems <= {None}:
+        return {"system_prompt": None, "system_prompts": "none"}
+    if len(systems) == 1:
+        return {"system_prompt": next(iter(systems)), "system_prompts": "shared"}
+    return {"system_prompt": None, "system_prompts": "differ"}
 
 
 def cookbook_renderer_name(model_name: str, fmt: dict) -> str | None:
@@ -2882,7 +2906,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 6e0e8246483f) ====
+# ==== END SHARED CODE (sha256 6818b5f9bc7e) ====
 
 
 if __name__ == "__main__":

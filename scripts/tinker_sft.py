@@ -403,8 +403,9 @@ def check_masks(job):
                 trained == answer or (reasoning and trained.endswith(answer) and reasoning in trained)
                 for answer, reasoning in trained_answers(by_line[line])):
             raise ScriptError(
-                f"rehearsal check failed: the loss mask of line {line} trains {spans!r}, expected only the answer "
-                f"{reference_answer(by_line[line])!r} followed by {stop!r}; the renderer's masking is wrong (see "
+                f"rehearsal check failed: the loss mask of {example_where(by_line[line])} trains {spans!r}, expected "
+                f"only the answer {reference_answer(by_line[line])!r} followed by {stop!r}; the renderer's masking is "
+                "wrong (see "
                 "render_example())")
 
 
@@ -528,19 +529,6 @@ def settings_record(args, job):
                   **system_prompt_record(job.train_examples),
                   probe_sampling={"temperature": 0.0, "max_tokens": args.max_tokens})
     return config
-
-
-def system_prompt_record(examples):
-    """What sampling needs to prompt as training did: the system prompt every training example shares
-    ("system_prompts": "shared"), none ("none"), or the note that they differ ("differ"); tinker_infer.py --run
-    uses a shared one by default."""
-    systems = {ex["messages"][0]["content"] if "messages" in ex and ex["messages"][0]["role"] == "system" else None
-               for ex in examples}
-    if systems == {None}:
-        return {"system_prompt": None, "system_prompts": "none"}
-    if len(systems) == 1:
-        return {"system_prompt": next(iter(systems)), "system_prompts": "shared"}
-    return {"system_prompt": None, "system_prompts": "differ"}
 
 
 def print_plan(job, args):
@@ -1182,6 +1170,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -1545,6 +1537,11 @@ def _without_reasoning_on_the_real_stand_in(examples):
     return out
 
 
+def example_where(example) -> str:
+    """How a message names an example: "line 3", or "line 3 of heldout.jsonl" for one with a source."""
+    return f"line {example['line']}" + (f" of {example['source']}" if example.get("source") else "")
+
+
 def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None, fast=True) -> list:
     """[(line, Rendered)] for every validated example, equal to render_example's; a RenderError names the
     example's line.
@@ -1590,7 +1587,7 @@ def _render_serial(examples, tokenizer, fmt, train_on, renderer=None) -> list:
         try:
             out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in render_example(ex, tokenizer, fmt, train_on))
         except RenderError as e:
-            raise RenderError(f"line {ex['line']}: {e}") from None
+            raise RenderError(f"{example_where(ex)}: {e}") from None
     return out
 
 
@@ -1726,7 +1723,7 @@ class BatchRenderer:
                 try:
                     rendered = render_example(ex, self.tokenizer, self.fmt, train_on)
                 except RenderError as e:
-                    raise RenderError(f"line {ex['line']}: {e}") from None
+                    raise RenderError(f"{example_where(ex)}: {e}") from None
             out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in rendered)
         return out
 
@@ -2173,14 +2170,19 @@ def check_role_order(msgs, where, *, need_assistant=True):
 
 
 def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
-    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs. With a `source` (a
+    --test-data file, a built-in set) an example's "line" stays its line number (an int, as in datums.jsonl and
+    eval.jsonl) and "source" names the file for messages (render.example_where)."""
     out = []
     for i, item in enumerate(items):
         if isinstance(item, tuple) and len(item) == 2:
             where, obj = item
         else:
             where, obj = i + 1, item
-        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+        example = validate(obj, where if source is None else f"{where} of {source}")
+        if source is not None and isinstance(where, int):
+            example.update(line=where, source=str(source))
+        out.append(example)
     return out
 
 
@@ -2454,6 +2456,24 @@ class Run:
                "batch": next(iter(position.values())), "final": name == "final"}
         self.append("checkpoints.jsonl", row)
         return row
+
+
+def system_prompt_record(conversations) -> dict:
+    """config.json's record of what sampling needs to prompt as training did: the system prompt every
+    conversation shares ("system_prompts": "shared"), none ("none"), or the note that they differ ("differ");
+    tinker_infer.py --run uses a shared one by default. conversations: SFT examples ({"messages"} or
+    {"prompt", "completion"}) or RL prompts as render_prompt() gave them (a message list, or a str)."""
+    def system(conversation):
+        messages = conversation.get("messages") if isinstance(conversation, dict) else conversation
+        first = messages[0] if isinstance(messages, list) and messages else None
+        return first["content"] if isinstance(first, dict) and first.get("role") == "system" else None
+
+    systems = {system(c) for c in conversations}
+    if systems <= {None}:
+        return {"system_prompt": None, "system_prompts": "none"}
+    if len(systems) == 1:
+        return {"system_prompt": next(iter(systems)), "system_prompts": "shared"}
+    return {"system_prompt": None, "system_prompts": "differ"}
 
 
 def cookbook_renderer_name(model_name: str, fmt: dict) -> str | None:
@@ -2938,7 +2958,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     if init_from:
         return service.create_training_client_from_state(init_from).result()
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 96a2dbe5cb5a) ====
+# ==== END SHARED CODE (sha256 744b55d6a5f6) ====
 
 
 if __name__ == "__main__":
