@@ -98,15 +98,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def a_run_folder() -> str:
+    """A run folder to name in a hint: the first under ./runs/ that holds a record, else the usual name."""
+    found = sorted(p.parent for p in Path("runs").glob("*/config.json"))
+    return str(found[0]) if found else "runs/sft1"
+
+
 def main(argv=None):
     args = parse_args(argv)
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder; expected a run folder (the --log-path of {WRITERS}); "
-                          f"try: {script_command('tinker_report.py', 'runs/sft1', server=False)}")
+                          f"try: {script_command('tinker_report.py', a_run_folder(), server=False)}")
     if not any((run_dir / name).exists() for name in RECORD_FILES):
         raise ReportError(f"{run_dir} holds no run record (none of {', '.join(RECORD_FILES)}); pass the "
-                          f"--log-path of a run, e.g. {script_command('tinker_report.py', 'runs/sft1', server=False)}")
+                          f"--log-path of a run, e.g. {script_command('tinker_report.py', a_run_folder(), server=False)}")
     if args.watch is not None and args.watch <= 0:
         raise ReportError(f"--watch {args.watch:g}: expected a number of seconds above 0, e.g. --watch 30")
     if args.rollout is not None:

@@ -354,8 +354,18 @@ def train_run(args, job, run):
                      "last": rewards_seen[-1] if rewards_seen else None},
           "loss_fn": args.loss_fn, "reward_source": args.reward, "init_from": args.init_from, "format": job.fmt,
           "sampling": {"model_path": final["sampler_path"], "stop": job.fmt["stop"],
-                       "hint": script_command("tinker_infer.py", "--run", run.path)}})
+                       "hint": script_command("tinker_infer.py", "--run", run.path, "--prompt", hint_prompt(job))}})
     return 0
+
+
+def hint_prompt(job):
+    """The first task's question (its last user message, or its raw text): the --prompt of the printed sample
+    command, which adds the recorded system prompt itself."""
+    messages = job.env["render_prompt"](job.tasks[0])
+    if isinstance(messages, str):
+        return messages
+    return next((m["content"] for m in reversed(messages) if m.get("role") == "user"
+                 and isinstance(m.get("content"), str)), "Hello")
 
 
 def choose_reward(args, job, tc, context_window):
@@ -667,7 +677,7 @@ def tied_message(groups, args=None, log_path=None):
         log = short_path(log_path)
         where = (f"; what it sampled is in {os.path.join(log, 'metrics.jsonl')} (iteration 0) and "
                  f"{os.path.join(log, 'rollouts.jsonl')} (every episode, decoded: prompt_text, completion_text), "
-                 f"one episode as text: {script_command('tinker_report.py', log, '--rollout', '0')}")
+                 f"one episode as text: {script_command('tinker_report.py', log, '--rollout', '0', server=False)}")
     return (f"{policy} ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
             "no gradient; nothing was trained" + where + ". Ways out: give partial credit in reward() (a score "
             "for the right format, the tool called, a near answer), make the tasks easier (reward floor) or harder "
