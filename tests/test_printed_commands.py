@@ -232,20 +232,22 @@ tinker_rl.SYSTEM_PROMPT = {system!r}
 tinker_rl.TASKS = [{{"id": i}} for i in range(4)]
 tinker_rl.EVAL_TASKS = [{{"id": i}} for i in range(4, 6)]
 tinker_rl.render_prompt = lambda task: [{{"role": "user", "content": f"Say something {{task['id']}}."}}]
-tinker_rl.reward = lambda task, text: sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
+# differs between any two different samples (the system prompt can leave the tiny model no letters to count)
+tinker_rl.reward = lambda task, text: sum(map(ord, text)) % 97 / 97
 tinker_rl.exit_process(tinker_rl.run_cli(tinker_rl.main, sys.argv[1:]))
 """
-SYSTEM = "You are a terse parrot."
+SYSTEM = "Be brief."
 
 
 @pytest.mark.e2e
 def test_an_rl_run_records_its_system_prompt_and_infer_run_renders_it(local_tinker, tmp_path):
     log = tmp_path / "runs" / "rl"
+    # temperature 2: with a system turn the tiny random model puts ~0.996 on "\n" at 1.0, and tied groups stop the run
     out = subprocess.run(
         [sys.executable, "-c", RL_WITH_SYSTEM.format(scripts=str(SCRIPTS), system=SYSTEM), "--tokenizer",
          str(local_tinker.tokenizer_dir), "--rehearse", "off", "--model-name", local_tinker.model, "--lora-rank", "8",
          "--batch-size", "2", "--group-size", "4", "--max-tokens", "8", "--iterations", "1", "--save-every", "1",
-         "--learning-rate", "0.003", "--seed", "0", "--log-path", str(log)],
+         "--temperature", "2.0", "--learning-rate", "0.003", "--seed", "0", "--log-path", str(log)],
         capture_output=True, text=True, env=local_tinker.env, cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((log / "config.json").read_text())
@@ -258,4 +260,4 @@ def test_an_rl_run_records_its_system_prompt_and_infer_run_renders_it(local_tink
     assert shown.returncode == 0, shown.stderr[-3000:]
     result = json.loads(shown.stdout.strip().splitlines()[-1])
     assert result["sampling"]["system"] == SYSTEM, result["sampling"]
-    assert f"<|im_start|>system\n{SYSTEM}<|im_end|>" in json.dumps(result, ensure_ascii=False)
+    assert result["prompts"][0]["text"].startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>"), result["prompts"]
