@@ -111,14 +111,19 @@ def check_role_order(msgs, where, *, need_assistant=True):
 
 
 def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
-    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs. With a `source` (a
+    --test-data file, a built-in set) an example's "line" stays its line number (an int, as in datums.jsonl and
+    eval.jsonl) and "source" names the file for messages (render.example_where)."""
     out = []
     for i, item in enumerate(items):
         if isinstance(item, tuple) and len(item) == 2:
             where, obj = item
         else:
             where, obj = i + 1, item
-        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+        example = validate(obj, where if source is None else f"{where} of {source}")
+        if source is not None and isinstance(where, int):
+            example.update(line=where, source=str(source))
+        out.append(example)
     return out
 
 

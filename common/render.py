@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from errors import DataError, RenderError, local_launcher, say, this_command  # splice: drop
+from errors import DataError, RenderError, local_launcher, python_command, say, this_command  # splice: drop
 from flags import check_free_space  # splice: drop
 from rehearsal import real_stand_in  # splice: drop
 
@@ -42,6 +42,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -66,7 +70,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
     if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
         next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
-                      f"python {launcher} run --model {name} -- {command}")
+                      f"{python_command(launcher, 'run', '--model', name, '--')} {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -405,6 +409,11 @@ def _without_reasoning_on_the_real_stand_in(examples):
     return out
 
 
+def example_where(example) -> str:
+    """How a message names an example: "line 3", or "line 3 of heldout.jsonl" for one with a source."""
+    return f"line {example['line']}" + (f" of {example['source']}" if example.get("source") else "")
+
+
 def render_all(examples, tokenizer, fmt, train_on, *, workers=None, cache_dir=None, fast=True) -> list:
     """[(line, Rendered)] for every validated example, equal to render_example's; a RenderError names the
     example's line.
@@ -450,7 +459,7 @@ def _render_serial(examples, tokenizer, fmt, train_on, renderer=None) -> list:
         try:
             out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in render_example(ex, tokenizer, fmt, train_on))
         except RenderError as e:
-            raise RenderError(f"line {ex['line']}: {e}") from None
+            raise RenderError(f"{example_where(ex)}: {e}") from None
     return out
 
 
@@ -586,7 +595,7 @@ class BatchRenderer:
                 try:
                     rendered = render_example(ex, self.tokenizer, self.fmt, train_on)
                 except RenderError as e:
-                    raise RenderError(f"line {ex['line']}: {e}") from None
+                    raise RenderError(f"{example_where(ex)}: {e}") from None
             out.extend((ex["line"], r.tokens, _runs(r.weights)) for r in rendered)
         return out
 

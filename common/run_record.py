@@ -335,6 +335,24 @@ class Run:
         return row
 
 
+def system_prompt_record(conversations) -> dict:
+    """config.json's record of what sampling needs to prompt as training did: the system prompt every
+    conversation shares ("system_prompts": "shared"), none ("none"), or the note that they differ ("differ");
+    tinker_infer.py --run uses a shared one by default. conversations: SFT examples ({"messages"} or
+    {"prompt", "completion"}) or RL prompts as render_prompt() gave them (a message list, or a str)."""
+    def system(conversation):
+        messages = conversation.get("messages") if isinstance(conversation, dict) else conversation
+        first = messages[0] if isinstance(messages, list) and messages else None
+        return first["content"] if isinstance(first, dict) and first.get("role") == "system" else None
+
+    systems = {system(c) for c in conversations}
+    if systems <= {None}:
+        return {"system_prompt": None, "system_prompts": "none"}
+    if len(systems) == 1:
+        return {"system_prompt": next(iter(systems)), "system_prompts": "shared"}
+    return {"system_prompt": None, "system_prompts": "differ"}
+
+
 def cookbook_renderer_name(model_name: str, fmt: dict) -> str | None:
     """The tinker-cookbook renderer name matching how a run renders (None when no family matches)."""
     if (fmt or {}).get("kind") == "raw":

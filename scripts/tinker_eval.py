@@ -352,8 +352,7 @@ def sibling_script(name: str) -> str | None:
     here = Path(__file__).resolve()
     if not (here.parent / name).exists():
         return None
-    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    folder = script_folder()
     return os.path.join(folder, name) if folder not in ("", ".") else name
 
 
@@ -366,46 +365,61 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
-def script_command(name: str, *args, server: bool = True) -> str:
-    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
-    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store, unless
-    server=False (a command that never calls Tinker, e.g. `tinker_pricing.py list`)."""
+def python_command(script, *args) -> str:
+    """The shell command that runs `script` (a path) with `args` under the interpreter running this script
+    (sys.executable), shell-quoted: it works as printed with no venv activated, where a bare `python` may be
+    another interpreter without the SDK (No module named 'tinker')."""
     import shlex
 
+    return shlex.join([sys.executable or "python3", str(script), *map(str, args)])
+
+
+def script_command(name: str, *args, server: bool = True) -> str:
+    """The command that runs `name` (a bundle script) with ARGS: this interpreter, and the script beside this one,
+    else beside the local backend's launcher (the bundle's scripts/), else where it belongs beside this one (copy
+    it there from the bundle's scripts/ folder). On the local backend it is wrapped in `tinker_local.py run --`,
+    which reaches the same checkpoint store, unless server=False (a command that never calls Tinker, e.g.
+    `tinker_pricing.py list`)."""
     path = sibling_script(name)
     launcher = local_launcher()
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
-    command = "python " + shlex.join([path or name, *map(str, args)])
+    command = python_command(path or os.path.join(script_folder(), name), *args)
     return under_launcher(command) if server else command
 
 
 def under_launcher(command: str) -> str:
     """`command` wrapped in `tinker_local.py run [--real] --` when this script runs under the launcher: the
     same model stands in again and the same checkpoint store answers."""
-    import shlex
-
     launcher = local_launcher()
     if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
-        return f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
+        return f"{python_command(launcher, 'run', *(['--real'] if real_stand_in() else []), '--')} {command}"
     return command
 
 
-def this_command() -> str:
-    """The command line that started this script, as the user typed it (python + sys.argv)."""
-    import shlex
+def script_folder() -> str:
+    """This script's folder as the user typed it (sys.argv[0]), else as a path to type from here."""
+    here = Path(__file__).resolve()
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
-    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it, under this interpreter."""
+    return python_command(*sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
 
 
 def local_hint() -> str:
-    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    """How to rehearse this very command for free: wrapped in the local backend's launcher. A script copied
+    without tinker_local.py says so, and names the command that works once the launcher is copied beside it."""
     launcher = local_launcher()
     if launcher is None:
-        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
-                "bundle's scripts/ folder)")
-    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
+        folder = script_folder()
+        return (f"{LOCAL_HINT} tinker_local.py is not beside this script; copy tinker_local.py and "
+                f"tinker_local_server.py from the tinker-training-inference bundle's scripts/ folder into "
+                f"{os.path.abspath(folder or '.')}, then run "
+                f"{python_command(os.path.join(folder, 'tinker_local.py'), 'run', '--')} {this_command()}")
+    return f"{LOCAL_HINT} {python_command(launcher, 'run', '--')} {this_command()}"
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
@@ -562,6 +576,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -586,7 +604,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
     if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
         next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
-                      f"python {launcher} run --model {name} -- {command}")
+                      f"{python_command(launcher, 'run', '--model', name, '--')} {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -1039,14 +1057,19 @@ def check_role_order(msgs, where, *, need_assistant=True):
 
 
 def normalise_items(items, source=None, validate=validate_example) -> list[dict]:
-    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs."""
+    """Validated examples from load_dataset()'s items: dicts or (where, dict) pairs. With a `source` (a
+    --test-data file, a built-in set) an example's "line" stays its line number (an int, as in datums.jsonl and
+    eval.jsonl) and "source" names the file for messages (render.example_where)."""
     out = []
     for i, item in enumerate(items):
         if isinstance(item, tuple) and len(item) == 2:
             where, obj = item
         else:
             where, obj = i + 1, item
-        out.append(validate(obj, where if source is None else f"{where} of {source}"))
+        example = validate(obj, where if source is None else f"{where} of {source}")
+        if source is not None and isinstance(where, int):
+            example.update(line=where, source=str(source))
+        out.append(example)
     return out
 
 
@@ -1906,7 +1929,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 14d6caf48b6c) ====
+# ==== END SHARED CODE (sha256 024650936a53) ====
 
 
 if __name__ == "__main__":

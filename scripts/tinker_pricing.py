@@ -211,6 +211,21 @@ RETIRED = {
 }
 
 
+def pricing_command(*args) -> str:
+    """`tinker_pricing.py ARGS` as a command that runs as printed from anywhere: the interpreter running it and
+    this file's path, shell-quoted (this file has no shared-code region; common/errors.py python_command is the
+    same rule for the other scripts)."""
+    import shlex
+
+    return shlex.join([sys.executable or "python3", str(Path(__file__).resolve()), *map(str, args)])
+
+
+def cheaper_command(est) -> str:
+    """The `list` command that shows the models training at most at this estimate's rate."""
+    rate = (est.get("rates") or {}).get("train")
+    return pricing_command("list", *(["--max-train", f"{rate:g}"] if rate else []))
+
+
 def retired_note(name: str) -> str | None:
     """'<id> was retired from Tinker on DATE; its recommended replacement is X' for a retired model (full
     id or the name after the organisation, any case, any ':peft:' suffix), else None."""
@@ -219,7 +234,7 @@ def retired_note(name: str) -> str | None:
         if asked in (model_id.lower(), model_id.split("/", 1)[1].lower()):
             note = f"{model_id} was retired from Tinker on {date}"
             return note + (f"; its recommended replacement is {replacement}" if replacement
-                           else "; no replacement is named (see `tinker_pricing.py list`)")
+                           else f"; no replacement is named (see `{pricing_command('list')}`)")
     return None
 
 
@@ -417,7 +432,7 @@ def resolve_model(name: str, context: int | None = None, rows: list[dict] | None
     retired = retired_note(name)
     if retired:  # never a silent stand-in (Qwen3.5-35B-A3B is not Qwen3.5-35B-A3B-Base)
         raise UnknownModelError(f"unknown model {name!r}: {retired}; closest ids: "
-                                f"{', '.join(_closest(name, rows)) or 'none'} (see `tinker_pricing.py list`)")
+                                f"{', '.join(_closest(name, rows)) or 'none'} (see `{pricing_command('list')}`)")
     trainable = [r for r in rows if r["kind"] == "training"]
     group = [r for r in trainable if _base_of(r["id"]).lower() == lowered.split("/", 1)[-1]]
     if not group and lowered:
@@ -431,7 +446,7 @@ def resolve_model(name: str, context: int | None = None, rows: list[dict] | None
         return dict(_pick_variant(group, context, name))
     close = _closest(name, rows)
     raise UnknownModelError(f"unknown model {name!r}; closest ids: {', '.join(close) or 'none'}"
-                            " (see `tinker_pricing.py list`)")
+                            f" (see `{pricing_command('list')}`)")
 
 
 # ==== TOKEN COUNTS (shared with tinker_sft.py / tinker_rl.py) ====
@@ -632,12 +647,12 @@ def preflight(model: str, tokens: dict, max_usd: float | None = None, *, label: 
     if max_usd is not None and total is None:
         raise BudgetExceeded(
             f"cannot check --max-usd {max_usd:g}: {est['warning']}; set TINKER_PRICES_FILE to a models.json "
-            f"with its prices (or run tinker_pricing.py refresh), or drop --max-usd")
+            f"with its prices (or run {pricing_command('refresh')}), or drop --max-usd")
     if max_usd is not None and total > max_usd:
         raise BudgetExceeded(
             f"estimated {_usd(total)} for {est['model']} (catalogue {est['catalogue_date']}) exceeds "
             f"--max-usd {max_usd:g}; reduce steps/batch/group/tokens, pick a cheaper model "
-            f"(tinker_pricing.py list --max-train ...), or raise --max-usd")
+            f"({cheaper_command(est)}), or raise --max-usd")
     return est
 
 
@@ -797,7 +812,7 @@ def _run_estimate(args, tokens: dict, inputs: dict, formula: str) -> int:
     if args.max_usd is not None and (total is None or total > args.max_usd):
         reason = "is unknown" if total is None else f"{_usd(total)} exceeds it"
         print(f"error: --max-usd {args.max_usd:g}: the estimate {reason}; lower the counts, pick a cheaper "
-              "model (tinker_pricing.py list --max-train ...), or raise --max-usd", file=sys.stderr)
+              f"model ({cheaper_command(est)}), or raise --max-usd", file=sys.stderr)
         return 3
     return 0
 
@@ -813,6 +828,7 @@ def cmd_estimate_sft(args) -> int:
     if args.data:
         if not args.tokenizer:
             raise ValueError("--data needs --tokenizer DIR (a Hugging Face tokenizer folder or name)")
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" notice
         try:
             from transformers import AutoTokenizer
         except ImportError:

@@ -98,15 +98,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def a_run_folder() -> str:
+    """A run folder to name in a hint: the first under ./runs/ that holds a record, else the usual name."""
+    found = sorted(p.parent for p in Path("runs").glob("*/config.json"))
+    return str(found[0]) if found else "runs/sft1"
+
+
 def main(argv=None):
     args = parse_args(argv)
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder; expected a run folder (the --log-path of {WRITERS}); "
-                          "try: python tinker_report.py runs/sft1")
+                          f"try: {script_command('tinker_report.py', a_run_folder(), server=False)}")
     if not any((run_dir / name).exists() for name in RECORD_FILES):
         raise ReportError(f"{run_dir} holds no run record (none of {', '.join(RECORD_FILES)}); pass the "
-                          "--log-path of a run, e.g. python tinker_report.py runs/sft1")
+                          f"--log-path of a run, e.g. {script_command('tinker_report.py', a_run_folder(), server=False)}")
     if args.watch is not None and args.watch <= 0:
         raise ReportError(f"--watch {args.watch:g}: expected a number of seconds above 0, e.g. --watch 30")
     if args.rollout is not None:
@@ -864,11 +870,17 @@ def cli(argv=None):
 import os
 
 STAND_IN_ENV = "TINKER_LOCAL_STAND_IN"
+TINY_STAND_IN = "tiny-qwen3"
 
 
 def stand_in() -> str | None:
     """The model standing in on the local backend (from the launcher), or None (Tinker, or an unknown server)."""
     return os.environ.get(STAND_IN_ENV) or None
+
+
+def real_stand_in() -> bool:
+    """True when a real model (`tinker_local.py run --real`) stands in: the rehearsal judges the user's task."""
+    return stand_in() not in (None, TINY_STAND_IN)
 
 
 # ---- common/errors.py ----
@@ -912,8 +924,7 @@ def sibling_script(name: str) -> str | None:
     here = Path(__file__).resolve()
     if not (here.parent / name).exists():
         return None
-    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    folder = script_folder()
     return os.path.join(folder, name) if folder not in ("", ".") else name
 
 
@@ -924,6 +935,45 @@ def local_launcher() -> str | None:
     if launcher and Path(launcher).exists():
         return short_path(launcher)
     return sibling_script("tinker_local.py")
+
+
+def python_command(script, *args) -> str:
+    """The shell command that runs `script` (a path) with `args` under the interpreter running this script
+    (sys.executable), shell-quoted: it works as printed with no venv activated, where a bare `python` may be
+    another interpreter without the SDK (No module named 'tinker')."""
+    import shlex
+
+    return shlex.join([sys.executable or "python3", str(script), *map(str, args)])
+
+
+def script_command(name: str, *args, server: bool = True) -> str:
+    """The command that runs `name` (a bundle script) with ARGS: this interpreter, and the script beside this one,
+    else beside the local backend's launcher (the bundle's scripts/), else where it belongs beside this one (copy
+    it there from the bundle's scripts/ folder). On the local backend it is wrapped in `tinker_local.py run --`,
+    which reaches the same checkpoint store, unless server=False (a command that never calls Tinker, e.g.
+    `tinker_pricing.py list`)."""
+    path = sibling_script(name)
+    launcher = local_launcher()
+    if path is None and launcher and (Path(launcher).parent / name).exists():
+        path = os.path.join(os.path.dirname(launcher), name)
+    command = python_command(path or os.path.join(script_folder(), name), *args)
+    return under_launcher(command) if server else command
+
+
+def under_launcher(command: str) -> str:
+    """`command` wrapped in `tinker_local.py run [--real] --` when this script runs under the launcher: the
+    same model stands in again and the same checkpoint store answers."""
+    launcher = local_launcher()
+    if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
+        return f"{python_command(launcher, 'run', *(['--real'] if real_stand_in() else []), '--')} {command}"
+    return command
+
+
+def script_folder() -> str:
+    """This script's folder as the user typed it (sys.argv[0]), else as a path to type from here."""
+    here = Path(__file__).resolve()
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
 
 # ---- common/render.py ----
@@ -1117,7 +1167,7 @@ def sampler_version(iteration, start, max_staleness, save_every):
     run did."""
     floor = max(start, iteration // save_every * save_every) if save_every else start
     return max(iteration - max_staleness, floor)
-# ==== END SHARED CODE (sha256 c26c36f53ffd) ====
+# ==== END SHARED CODE (sha256 ee11d66dee0d) ====
 
 
 if __name__ == "__main__":

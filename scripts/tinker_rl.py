@@ -355,8 +355,18 @@ def train_run(args, job, run):
                      "last": rewards_seen[-1] if rewards_seen else None},
           "loss_fn": args.loss_fn, "reward_source": args.reward, "init_from": args.init_from, "format": job.fmt,
           "sampling": {"model_path": final["sampler_path"], "stop": job.fmt["stop"],
-                       "hint": script_command("tinker_infer.py", "--run", run.path)}})
+                       "hint": script_command("tinker_infer.py", "--run", run.path, "--prompt", hint_prompt(job))}})
     return 0
+
+
+def hint_prompt(job):
+    """The first task's question (its last user message, or its raw text): the --prompt of the printed sample
+    command, which adds the recorded system prompt itself."""
+    messages = job.env["render_prompt"](job.tasks[0])
+    if isinstance(messages, str):
+        return messages
+    return next((m["content"] for m in reversed(messages) if m.get("role") == "user"
+                 and isinstance(m.get("content"), str)), "Hello")
 
 
 def choose_reward(args, job, tc, context_window):
@@ -498,6 +508,7 @@ class Job:
     loss_config: dict | None
     tasks_sha256: str
     n_train: int = 0  # tasks[:n_train] are trained on, tasks[n_train:] only evaluated
+    system: dict = dataclasses.field(default_factory=dict)  # config.json's system_prompt(s): what infer --run sends
 
 
 def prepare(args) -> Job:
@@ -535,13 +546,14 @@ def prepare(args) -> Job:
     lengths = [len(p) for p in prompts]
     say(f"{len(env['tasks'])} tasks + {len(tasks) - len(env['tasks'])} held out (--env {args.env}), prompts {min(lengths)}-{max(lengths)} tokens, max "
         f"{args.max_tokens} tokens per turn, up to {args.max_turns if env['env_step'] else 1} turn(s)")
-    return Job(env, tasks, tokenizer, fmt, prompts, loss_fn_config(args), digest, len(env["tasks"]))
+    return Job(env, tasks, tokenizer, fmt, prompts, loss_fn_config(args), digest, len(env["tasks"]),
+               system_prompt_record(messages))
 
 
 def run_config(args, job, context_window):
     config = {k: v for k, v in vars(args).items() if k not in ("resume", "overwrite", "dry_run")}
     config.update(loss_fn_config=job.loss_config, context_window=context_window, n_tasks=job.n_train,
-                  tasks_sha256=job.tasks_sha256, format=job.fmt)
+                  tasks_sha256=job.tasks_sha256, format=job.fmt, **job.system)
     return config
 
 
@@ -666,7 +678,7 @@ def tied_message(groups, args=None, log_path=None):
         log = short_path(log_path)
         where = (f"; what it sampled is in {os.path.join(log, 'metrics.jsonl')} (iteration 0) and "
                  f"{os.path.join(log, 'rollouts.jsonl')} (every episode, decoded: prompt_text, completion_text), "
-                 f"one episode as text: {script_command('tinker_report.py', log, '--rollout', '0')}")
+                 f"one episode as text: {script_command('tinker_report.py', log, '--rollout', '0', server=False)}")
     return (f"{policy} ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
             "no gradient; nothing was trained" + where + ". Ways out: give partial credit in reward() (a score "
             "for the right format, the tool called, a near answer), make the tasks easier (reward floor) or harder "
@@ -1087,8 +1099,7 @@ def sibling_script(name: str) -> str | None:
     here = Path(__file__).resolve()
     if not (here.parent / name).exists():
         return None
-    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
-    folder = os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
+    folder = script_folder()
     return os.path.join(folder, name) if folder not in ("", ".") else name
 
 
@@ -1101,46 +1112,61 @@ def local_launcher() -> str | None:
     return sibling_script("tinker_local.py")
 
 
-def script_command(name: str, *args, server: bool = True) -> str:
-    """`python PATH/name ARGS` for a bundle script: beside this one, else beside the local backend's launcher
-    (the bundle's scripts/), else its bare name (then copy it from the bundle's scripts/ folder). On the local
-    backend it is wrapped in `tinker_local.py run --`, which reaches the same checkpoint store, unless
-    server=False (a command that never calls Tinker, e.g. `tinker_pricing.py list`)."""
+def python_command(script, *args) -> str:
+    """The shell command that runs `script` (a path) with `args` under the interpreter running this script
+    (sys.executable), shell-quoted: it works as printed with no venv activated, where a bare `python` may be
+    another interpreter without the SDK (No module named 'tinker')."""
     import shlex
 
+    return shlex.join([sys.executable or "python3", str(script), *map(str, args)])
+
+
+def script_command(name: str, *args, server: bool = True) -> str:
+    """The command that runs `name` (a bundle script) with ARGS: this interpreter, and the script beside this one,
+    else beside the local backend's launcher (the bundle's scripts/), else where it belongs beside this one (copy
+    it there from the bundle's scripts/ folder). On the local backend it is wrapped in `tinker_local.py run --`,
+    which reaches the same checkpoint store, unless server=False (a command that never calls Tinker, e.g.
+    `tinker_pricing.py list`)."""
     path = sibling_script(name)
     launcher = local_launcher()
     if path is None and launcher and (Path(launcher).parent / name).exists():
         path = os.path.join(os.path.dirname(launcher), name)
-    command = "python " + shlex.join([path or name, *map(str, args)])
+    command = python_command(path or os.path.join(script_folder(), name), *args)
     return under_launcher(command) if server else command
 
 
 def under_launcher(command: str) -> str:
     """`command` wrapped in `tinker_local.py run [--real] --` when this script runs under the launcher: the
     same model stands in again and the same checkpoint store answers."""
-    import shlex
-
     launcher = local_launcher()
     if launcher and os.environ.get("TINKER_LOCAL_LAUNCHER"):
-        return f"python {shlex.quote(launcher)} run{' --real' if real_stand_in() else ''} -- {command}"
+        return f"{python_command(launcher, 'run', *(['--real'] if real_stand_in() else []), '--')} {command}"
     return command
 
 
-def this_command() -> str:
-    """The command line that started this script, as the user typed it (python + sys.argv)."""
-    import shlex
+def script_folder() -> str:
+    """This script's folder as the user typed it (sys.argv[0]), else as a path to type from here."""
+    here = Path(__file__).resolve()
+    typed = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
-    return "python " + shlex.join(sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+
+def this_command() -> str:
+    """The command line that started this script, as the user typed it, under this interpreter."""
+    return python_command(*sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
 
 
 def local_hint() -> str:
-    """How to rehearse this very command for free: wrapped in the local backend's launcher."""
+    """How to rehearse this very command for free: wrapped in the local backend's launcher. A script copied
+    without tinker_local.py says so, and names the command that works once the launcher is copied beside it."""
     launcher = local_launcher()
     if launcher is None:
-        return (f"{LOCAL_HINT} python PATH/TO/tinker_local.py run -- {this_command()} (tinker_local.py is in the "
-                "bundle's scripts/ folder)")
-    return f"{LOCAL_HINT} python {launcher} run -- {this_command()}"
+        folder = script_folder()
+        return (f"{LOCAL_HINT} tinker_local.py is not beside this script; copy tinker_local.py and "
+                f"tinker_local_server.py from the tinker-training-inference bundle's scripts/ folder into "
+                f"{os.path.abspath(folder or '.')}, then run "
+                f"{python_command(os.path.join(folder, 'tinker_local.py'), 'run', '--')} {this_command()}")
+    return f"{LOCAL_HINT} {python_command(launcher, 'run', '--')} {this_command()}"
 
 
 def run_cli(main, argv=None, *, error_json: bool = False, interrupted_hint: str = RESUME_HINT) -> int:
@@ -1290,6 +1316,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
 
     The Hugging Face cache is tried first with no network; then the hub once, only if one short connection
     to it succeeds: without that probe an offline machine spends ~50 s in huggingface_hub's retries."""
+    # The install leaves torch out on purpose (tokenizers need none), so transformers' import-time advice
+    # "PyTorch was not found. Models won't be available..." is noise; transformers' own switch for its advisory
+    # warnings (logger.warning_advice) silences it, unless the user set it.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from transformers import AutoTokenizer
 
     if os.path.isdir(name_or_path):
@@ -1314,7 +1344,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--tokenizer"):
     # The local backend resolves the name it serves offline (not a name the SDK maps to another repository).
     if launcher and not command.startswith("<") and name == name_or_path.split(":", 1)[0]:
         next_step += (f"; or, for a rehearsal, run it under the local backend, which serves {name} offline: "
-                      f"python {launcher} run --model {name} -- {command}")
+                      f"{python_command(launcher, 'run', '--model', name, '--')} {command}")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise DataError(failed + "HF_HUB_OFFLINE=1 forbids the hub" + next_step)
     unreachable = hub_unreachable()
@@ -1999,6 +2029,24 @@ class Run:
                "batch": next(iter(position.values())), "final": name == "final"}
         self.append("checkpoints.jsonl", row)
         return row
+
+
+def system_prompt_record(conversations) -> dict:
+    """config.json's record of what sampling needs to prompt as training did: the system prompt every
+    conversation shares ("system_prompts": "shared"), none ("none"), or the note that they differ ("differ");
+    tinker_infer.py --run uses a shared one by default. conversations: SFT examples ({"messages"} or
+    {"prompt", "completion"}) or RL prompts as render_prompt() gave them (a message list, or a str)."""
+    def system(conversation):
+        messages = conversation.get("messages") if isinstance(conversation, dict) else conversation
+        first = messages[0] if isinstance(messages, list) and messages else None
+        return first["content"] if isinstance(first, dict) and first.get("role") == "system" else None
+
+    systems = {system(c) for c in conversations}
+    if systems <= {None}:
+        return {"system_prompt": None, "system_prompts": "none"}
+    if len(systems) == 1:
+        return {"system_prompt": next(iter(systems)), "system_prompts": "shared"}
+    return {"system_prompt": None, "system_prompts": "differ"}
 
 
 def cookbook_renderer_name(model_name: str, fmt: dict) -> str | None:
@@ -3000,7 +3048,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 12b5aa43889c) ====
+# ==== END SHARED CODE (sha256 2539641fa2a4) ====
 
 
 if __name__ == "__main__":

@@ -230,6 +230,18 @@ def local_real_sft_run(local_real_tinker, tmp_path_factory) -> RealSftRun:
     return RealSftRun(log, json.loads(lines[-1]) if lines else {}, out.stderr, out.returncode)
 
 
+def record_output(log: Path, out) -> None:
+    """Keep what a shared run printed beside its folder (not in it), for tests of what it printed (the next
+    commands: tests/test_printed_commands.py, fixture_output)."""
+    (log.parent.parent / f"{log.name}.output.json").write_text(json.dumps({"stdout": out.stdout, "stderr": out.stderr}))
+
+
+def fixture_output(log: Path) -> dict:
+    """{"stdout", "stderr"} of the run that made a shared run folder (local_sft_run, local_rl_run); it ran with
+    its working directory the folder above runs/, outside the bundle."""
+    return json.loads((log.parent.parent / f"{log.name}.output.json").read_text())
+
+
 @pytest.fixture(scope="session")
 def local_sft_run(local_tinker, tmp_path_factory) -> Path:
     """A finished SFT run folder, trained once per session on the local backend and shared by the tests
@@ -242,8 +254,9 @@ def local_sft_run(local_tinker, tmp_path_factory) -> Path:
          "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model, "--batch-size", "4",
          "--max-steps", "4", "--save-every", "2", "--eval-every", "2", "--learning-rate", "1e-2",
          "--lora-rank", "8", "--num-probes", "1", "--max-tokens", "8", "--log-path", str(log)],
-        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900, cwd=log.parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
+    record_output(log, out)
     return log
 
 
@@ -274,6 +287,7 @@ def local_rl_run(local_tinker, tmp_path_factory) -> Path:
          str(local_tinker.tokenizer_dir), "--rehearse", "off", "--model-name", local_tinker.model, "--lora-rank", "8",
          "--batch-size", "2", "--group-size", "4", "--max-tokens", "8", "--iterations", "3", "--save-every", "1",
          "--learning-rate", "0.003", "--seed", "0", "--log-path", str(log)],
-        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900)
+        capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900, cwd=log.parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
+    record_output(log, out)
     return log

@@ -166,7 +166,8 @@ def test_sft_sample_rl_from_it_with_own_reward_kill_resume_report(local_backend_
 
     # 2. The printed next command, run exactly as printed (a new server: only the store knows the checkpoint).
     [printed] = [line.split("sample it: ", 1)[1] for line in sft.stderr.splitlines() if "next     sample it: " in line]
-    assert printed.startswith(f"python {LAUNCHER} run -- python tinker_infer.py --run runs/sft --prompt "), printed
+    py = shlex.quote(sys.executable)  # the interpreter `python` is in the user's shell (user_env)
+    assert printed.startswith(f"{py} {LAUNCHER} run -- {py} tinker_infer.py --run runs/sft --prompt "), printed
     sampled = typed(printed, project, timings, "sample (printed command)")
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     answer = last_json(sampled.stdout)

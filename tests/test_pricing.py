@@ -125,7 +125,7 @@ def test_a_retired_model_says_when_it_retired_and_what_replaced_it():
     assert tp.retired_note("qwen3.5-27b:peft:131072").endswith("its recommended replacement is Qwen/Qwen3.6-27B")
     assert tp.retired_note("moonshotai/Kimi-K2.5") == (
         "moonshotai/Kimi-K2.5 was retired from Tinker on 2026-07-12; no replacement is named "
-        "(see `tinker_pricing.py list`)")
+        f"(see `{sys.executable} {SCRIPT} list`)")  # a command that runs as printed, from anywhere
     assert tp.retired_note("Qwen/Qwen3-8B") is None
 
 

@@ -443,7 +443,7 @@ def test_hf_hub_offline_without_a_cached_tokenizer_names_the_fix_without_a_conne
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].endswith(
         "; or, for a rehearsal, run it under the local backend, which serves Qwen/Qwen3-8B offline: "
-        f"python {ROOT / 'scripts' / 'tinker_local.py'} run --model Qwen/Qwen3-8B -- python {SCRIPT} --data {EXAMPLE} "
+        f"{sys.executable} {ROOT / 'scripts' / 'tinker_local.py'} run --model Qwen/Qwen3-8B -- {sys.executable} {SCRIPT} --data {EXAMPLE} "
         "--dry-run")
 
 

@@ -432,18 +432,20 @@ def test_a_training_script_copied_alone_refuses_max_usd_in_its_dry_run_as_its_re
 
 def test_a_next_command_names_the_neighbour_as_the_user_typed_the_script_and_wraps_the_local_launcher(
         monkeypatch, tmp_path):
+    import shlex
     import shutil
 
     import tinker_sft
+    py = shlex.quote(sys.executable)  # the interpreter running the script, never a bare `python`
     monkeypatch.chdir(ROOT)
     monkeypatch.delenv("TINKER_LOCAL_LAUNCHER", raising=False)
     monkeypatch.setattr(sys, "argv", ["scripts/tinker_sft.py", "--data", "my data.jsonl"])
     assert tinker_sft.script_command("tinker_infer.py", "--run", "runs/a b") == \
-        "python scripts/tinker_infer.py --run 'runs/a b'"
-    assert tinker_sft.this_command() == "python scripts/tinker_sft.py --data 'my data.jsonl'"
+        f"{py} scripts/tinker_infer.py --run 'runs/a b'"
+    assert tinker_sft.this_command() == f"{py} scripts/tinker_sft.py --data 'my data.jsonl'"
     monkeypatch.setenv("TINKER_LOCAL_LAUNCHER", str(ROOT / "scripts" / "tinker_local.py"))
     assert tinker_sft.script_command("tinker_infer.py", "--run", "runs/x") == \
-        "python scripts/tinker_local.py run -- python scripts/tinker_infer.py --run runs/x"
+        f"{py} scripts/tinker_local.py run -- {py} scripts/tinker_infer.py --run runs/x"
     # a copy in a project without tinker_infer.py beside it: the bundle's, found beside the launcher
     project = tmp_path / "project"
     project.mkdir()
@@ -452,7 +454,7 @@ def test_a_next_command_names_the_neighbour_as_the_user_typed_the_script_and_wra
     monkeypatch.setattr(tinker_sft, "__file__", str(project / "tinker_sft.py"))
     monkeypatch.setattr(sys, "argv", ["tinker_sft.py"])
     assert tinker_sft.script_command("tinker_infer.py") == (
-        f"python {ROOT / 'scripts' / 'tinker_local.py'} run -- python {ROOT / 'scripts' / 'tinker_infer.py'}")
+        f"{py} {ROOT / 'scripts' / 'tinker_local.py'} run -- {py} {ROOT / 'scripts' / 'tinker_infer.py'}")
     shutil.copy2(ROOT / "scripts" / "tinker_infer.py", project / "tinker_infer.py")
     assert tinker_sft.script_command("tinker_infer.py") == \
-        f"python {ROOT / 'scripts' / 'tinker_local.py'} run -- python tinker_infer.py"
+        f"{py} {ROOT / 'scripts' / 'tinker_local.py'} run -- {py} tinker_infer.py"

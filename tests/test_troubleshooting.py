@@ -310,7 +310,7 @@ def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_l
         check(out.stderr.strip().splitlines()[-1], text)
         if key is None:  # the rehearsal hint is this very command, wrapped in the launcher that exists
             launcher = str(ROOT / "scripts" / "tinker_local.py")
-            assert f"python {launcher} run -- python {ROOT / 'scripts' / 'tinker_sft.py'} --data " in out.stderr
+            assert f"{sys.executable} {launcher} run -- {sys.executable} {ROOT / 'scripts' / 'tinker_sft.py'} --data " in out.stderr
 
 
 # ------------------------------------------------------------------ one writer, lost service, preconditions
