@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -76,7 +77,8 @@ def test_with_no_sound_checkpoint_it_says_start_again_at_a_lower_rate_with_overw
     text = str(caught.value)
     assert "training diverged at iteration 0: kl_sample_train_v1 = inf" in text
     assert "nothing sound to --resume from" in text
-    assert text.endswith("tinker_rl.py --learning-rate 0.001 --log-path runs/rl --overwrite")
+    assert text.endswith(shlex.join([sys.executable, "tinker_rl.py", "--learning-rate", "0.001", "--log-path", "runs/rl",
+                                     "--overwrite"]))
     rows = strict(run.file("metrics.jsonl").read_text())
     # the cookbook's name of the same value is nulled with ours
     assert rows[0]["optim/kl_sample_train_v1"] is None and rows[0]["reward_mean"] == 0.5
@@ -95,7 +97,8 @@ def test_edited_command_wraps_in_the_launcher_that_started_the_run(tmp_path, mon
     monkeypatch.setenv("TINKER_LOCAL_LAUNCHER", str(launcher))
     monkeypatch.setattr(sys, "argv", ["tinker_dpo.py", "--overwrite", "--learning-rate", "1e-5"])
     command = edited_command({"--learning-rate": "2.5e-06", "--overwrite": None}, drop=("--resume",))
-    assert command.endswith("run -- python tinker_dpo.py --overwrite --learning-rate 2.5e-06")
+    assert command.endswith(" -- " + shlex.join([sys.executable, "tinker_dpo.py", "--overwrite", "--learning-rate",
+                                                 "2.5e-06"]))
     assert str(launcher) in command.split(" run -- ")[0]
 
 
