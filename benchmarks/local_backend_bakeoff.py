@@ -22,7 +22,7 @@ Per candidate:
           for a speed figure where SDK 0.38 cannot train or sample on it.
 The probe stops the SDK from retrying 5xx answers (it would retry each for minutes); the error
 class recorded is the one the SDK raises. The decision rule: adopt the other server only if it
-serves more of the parity list and is at most 1.5x slower; results are in references/setup.md.
+serves more of the parity list and is at most 1.5x slower; results are in benchmarks/README.md.
 Rounds interleave the candidates (A B, then B A, ...), one server at a time, each started afresh.
 Times are pooled over rounds: median, min, max and each round's median.
 

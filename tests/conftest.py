@@ -14,7 +14,7 @@ WORKER_MEMORY_GIB = 6  # a worker's local server (~2.3 GB), a module's own serve
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto --dist worksteal` (pyproject's addopts; `-n 0` runs one process, see references/setup.md, "The test
+    """`-n auto --dist worksteal` (pyproject's addopts; `-n 0` runs one process, see benchmarks/README.md, "The test
     suite"): one pytest-xdist worker per core, at most 4 and at most one per WORKER_MEMORY_GIB of memory. Each worker
     has its own session server (`local_tinker`). Measured on 2 cores: a third worker, or whole modules per worker with
     the end-to-end ones first, were slower: the suite is CPU-bound once two run."""

@@ -30,7 +30,7 @@ modification times); otherwise it loads as usual and tells the zygote, which loa
 children. A fork gives each child its own copy of the object, so nothing a script does to it is seen by another;
 a second call in one run loads afresh. Not shared: `trust_remote_code`, positional arguments beyond the name.
 
-Off: TINKER_TEST_FORK_SCRIPTS=0. Measured: see references/setup.md, "The test suite".
+Off: TINKER_TEST_FORK_SCRIPTS=0. Measured: see benchmarks/README.md, "The test suite".
 """
 from __future__ import annotations
 

@@ -913,7 +913,7 @@ OTHER_TOOLS_FLAGS = {
     "--pid", "--idle", "--async-mode",  # py-spy and pyinstrument (debugging.md)
     "--enable-lora", "--lora-modules", "--lora-paths",  # vLLM and SGLang (checkpoints.md)
     "--extra-body", "--max-connections",  # inspect eval (testing.md; tests/test_eval_harness.py runs it)
-    "--dist",  # pytest-xdist (pyproject's addopts; setup.md's test suite)
+    "--dist",  # pytest-xdist (pyproject's addopts; benchmarks/README.md's test suite)
 }
 
 

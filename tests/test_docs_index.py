@@ -121,30 +121,30 @@ def test_skill_routes_to_the_questions_index_with_a_read_when_condition():
 # --------------------------------------------------------------------------- 2. one home per figure
 
 NUM = r"(\d+(?:\.\d+)?)"
-# name -> (home "file#anchor" under references/, patterns capturing the value in any statement)
+# name -> (home "path#anchor" from the repository root, patterns capturing the value in any statement)
 NAMED_FIGURES: dict[str, tuple[str, list[str]]] = {
     "RL iteration, 8 groups x 4 samples, all groups in flight (s)": (
-        "training-rl.md#measured-on-the-local-backend-tiny-random-qwen3-2-core-cpu", [
+        "references/training-rl.md#measured-on-the-local-backend-tiny-random-qwen3-2-core-cpu", [
             rf"all groups in flight \(one group after another\) \| {NUM} s",
             rf"all groups in flight {NUM}",
         ]),
-    "local setup from nothing (s)": ("setup.md#speed-december-2026", [
+    "local setup from nothing (s)": ("benchmarks/README.md#speed-december-2026", [
         rf"setup[^.|]{{0,40}}?{NUM} s from nothing",
         rf"from nothing took {NUM} s",
         rf"from nothing[^.|]{{0,20}}?\| {NUM} s",
     ]),
-    "local server ready after serve / run starts (s)": ("setup.md#speed-december-2026", [
+    "local server ready after serve / run starts (s)": ("benchmarks/README.md#speed-december-2026", [
         rf"server ready after serve / run starts \| [\d.]+ s \| {NUM} s",
         rf"start until it takes requests \| {NUM} s",
         rf"ready in (?:about )?{NUM} s",
         rf"{NUM} s to a ready server",
     ]),
-    "local warm forward_backward + optim_step, 4 x 32 tokens (s)": ("setup.md#speed-december-2026", [
+    "local warm forward_backward + optim_step, 4 x 32 tokens (s)": ("benchmarks/README.md#speed-december-2026", [
         rf"warm forward_backward \+ optim_step, 4 x 32 tokens, rank 8 \| [^|]*\| {NUM} s",
         rf"warm step[^.|]{{0,30}}?{NUM} s",
     ]),
     "SDK in-flight sampling requests per SamplingClient": (
-        "inference.md#limits-the-sdks-caps-not-a-service-quota", [
+        "references/inference.md#limits-the-sdks-caps-not-a-service-quota", [
             rf"about {NUM} concurrent sampling requests",
             rf"sample_max_concurrent_requests[^.]{{0,40}}?\(?{NUM}\b",
         ]),
@@ -154,10 +154,10 @@ NAMED_FIGURES: dict[str, tuple[str, list[str]]] = {
 # statements of a named figure that are a different measurement on purpose:
 # (file, words in the statement's paragraph) -> why
 OTHER_MEASUREMENTS: dict[tuple[str, str], str] = {
-    ("references/setup.md", "| install from nothing |"):
+    ("benchmarks/README.md", "| install from nothing |"):
         "the bake-off table: SkyRL and hatchery installed side by side in one earlier run; the Speed "
         "section states today's figure",
-    ("references/setup.md", "| start until it takes requests |"):
+    ("benchmarks/README.md", "| start until it takes requests |"):
         "the bake-off table: SkyRL and hatchery started side by side in one earlier run",
 }
 
@@ -188,7 +188,8 @@ def paragraphs(path: Path) -> list[tuple[int, str]]:
 
 
 def doc_paths() -> list[Path]:
-    return [SKILL, ROOT / "README.md", ROOT / "DEVELOPING.md", *sorted(REFERENCES.glob("*.md"))]
+    return [SKILL, ROOT / "README.md", ROOT / "DEVELOPING.md", ROOT / "benchmarks" / "README.md",
+            *sorted(REFERENCES.glob("*.md"))]
 
 
 def named_figure_statements(name: str, paths=None) -> list[tuple[str, int, float, str]]:
@@ -204,9 +205,15 @@ def named_figure_statements(name: str, paths=None) -> list[tuple[str, int, float
     return found
 
 
+def linked_as(home_file: str) -> str:
+    """What a link to the home contains from any doc: a reference's own name (references link each other
+    by name), else its path from the root (`../benchmarks/README.md` from references/)."""
+    return home_file.removeprefix("references/")
+
+
 def named_figure_problems(name: str, statements) -> list[str]:
     home, _ = NAMED_FIGURES[name]
-    home_file = "references/" + home.split("#")[0]
+    home_file = home.split("#")[0]
     at_home = [s for s in statements if s[0] == home_file]
     if not at_home:
         return [f"{name}: no statement in its home {home}"]
@@ -215,20 +222,20 @@ def named_figure_problems(name: str, statements) -> list[str]:
     for path, lineno, found, text in statements:
         if found != value:
             problems.append(f"{name}: {path}:{lineno} says {found:g}, its home {home_file} says {value:g}")
-        elif path != home_file and home.split("#")[0] not in text:
+        elif path != home_file and linked_as(home_file) not in text:
             problems.append(f"{name}: {path}:{lineno} restates {found:g} without linking {home}")
     return problems
 
 
 def test_named_figure_check_catches_a_second_value_and_an_unlinked_copy(monkeypatch):
-    monkeypatch.setitem(NAMED_FIGURES, "demo", ("setup.md#x", [rf"{NUM} s from nothing"]))
+    monkeypatch.setitem(NAMED_FIGURES, "demo", ("references/setup.md#x", [rf"{NUM} s from nothing"]))
     rows = [("references/setup.md", 1, 114.0, "install: 114 s from nothing"),
             ("SKILL.md", 2, 94.0, "94 s from nothing"),
             ("README.md", 3, 114.0, "114 s from nothing"),
             ("references/debugging.md", 4, 114.0, "114 s from nothing ([setup.md](setup.md#x))")]
     assert named_figure_problems("demo", rows) == [
         "demo: SKILL.md:2 says 94, its home references/setup.md says 114",
-        "demo: README.md:3 restates 114 without linking setup.md#x"]
+        "demo: README.md:3 restates 114 without linking references/setup.md#x"]
 
 
 def test_named_figure_patterns_find_a_wrapped_statement(tmp_path, monkeypatch):
@@ -241,7 +248,7 @@ def test_named_figure_patterns_find_a_wrapped_statement(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", sorted(NAMED_FIGURES))
 def test_a_named_figure_has_one_value_and_one_home(name):
     home_file, anchor = NAMED_FIGURES[name][0].split("#")
-    assert section_opening(REFERENCES / home_file, anchor), f"{name}: its home {home_file}#{anchor} is not a heading"
+    assert section_opening(ROOT / home_file, anchor), f"{name}: its home {home_file}#{anchor} is not a heading"
     statements = [s for s in named_figure_statements(name) if not other_measurement(s)]
     problems = named_figure_problems(name, statements)
     assert not problems, "\n".join(problems)
