@@ -99,7 +99,7 @@ USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / 
 DEFAULT_VENV = USER_CACHE / "local-backend-venv"
 DEFAULT_HOME = REPO / ".cache" / "tinker-local"
 READY_TIMEOUT_SEC = 300  # cold start is ~30 s on an idle 2-core box; a busy one is slower
-MAX_LORA_ADAPTERS = 14   # slot 0 is the base model; a live client costs its own slot only (setup.md, "Speed")
+MAX_LORA_ADAPTERS = 14   # slot 0 is the base model; a live client costs its own slot only (benchmarks/README.md, "Speed")
 DEFAULT_CONTEXT = 32768   # reported when the served name is not in tinker_pricing.py's catalogue
 MAX_LORA_RANK = 32       # the SDK's default rank is 32
 SESSION_TIMEOUT_SEC = 30  # the SDK heartbeats every 10 s; a dead client's adapter is freed after this
@@ -138,7 +138,7 @@ typing_extensions==4.16.0 uvicorn==0.55.0 uvloop==0.23.0 xxhash==4.1.0 yarl==1.2
 zipp==4.1.2 zstandard==0.25.0
 """.split()
 
-# A Qwen3 small enough for a CPU step in a fraction of a second (references/setup.md, "Speed"); the
+# A Qwen3 small enough for a CPU step in a fraction of a second (benchmarks/README.md, "Speed"); the
 # vocabulary must stay full size because the real tokenizer emits ids up to 151,668.
 TINY_QWEN3 = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,

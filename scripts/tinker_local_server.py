@@ -2147,7 +2147,7 @@ def shim_wakeups_engine(engine) -> None:
 # in row groups under the same budget. Losses and logprobs are the unsplit call's (tested).
 
 MICRO_BATCH_TOKENS_ENV = "TINKER_LOCAL_MICRO_BATCH_TOKENS"
-DEFAULT_MICRO_BATCH_TOKENS = 512  # 128 x 1,024 tokens: engine peak measured in setup.md "Memory"
+DEFAULT_MICRO_BATCH_TOKENS = 512  # 128 x 1,024 tokens: engine peak measured in benchmarks/README.md "Memory"
 SAMPLE_TOKENS_PER_BUDGET = 16  # sampling without prompt logprobs keeps no logits per prompt token
 
 
