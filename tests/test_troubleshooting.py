@@ -292,7 +292,7 @@ def test_sampling_a_checkpoint_the_server_does_not_have_names_the_listing_comman
 
 @pytest.mark.e2e
 @proves("error: no Tinker credentials: set TINKER_API_KEY (tml-...), or check for free with --dry-run, "
-        "or for a free rehearsal start the local backend: python",
+        "or for a free rehearsal start the local backend:",
         "error: TINKER_API_KEY does not start with tml-; expected a Tinker API key; copy it again from the "
         "Tinker console")
 def test_sft_without_a_key_or_with_a_malformed_one_exits_4_with_the_documented_line(local_tinker, tmp_path):
