@@ -1174,6 +1174,18 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# Settings a flag turns off: config.json keeps the setting (train_unembed: false), the user types the flag.
+OFF_FLAGS = {"train_unembed": "--no-train-unembed"}
+
+
+def resume_diff(key: str, saved, now) -> str:
+    """One setting that differs on --resume, named as the user types it."""
+    if key in OFF_FLAGS:
+        given = {False: "given"}  # the setting is off only when the flag was given
+        return f"{OFF_FLAGS[key]} {given.get(saved, 'not given')} -> {given.get(now, 'not given')}"
+    return f"--{key.replace('_', '-')} {saved!r} -> {now!r}"
+
+
 class Run:
     """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
     `rewind` and `checkpoint` are the only writers."""
@@ -1338,8 +1350,7 @@ class Run:
             say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
                 "saved run cannot be compared with these; continuing from its last checkpoint as asked")
             return
-        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        diffs = [resume_diff(k, saved.get(k), config.get(k)) for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
         if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
@@ -1347,7 +1358,8 @@ class Run:
             diffs.append("format (tokenizer, chat template or --format/--thinking)")
         trained_on, now = (saved.get("backend") or {}).get("stand_in"), backend_record()
         here = now["stand_in"]
-        known = here is not None or now["kind"] == "tinker"  # a local server started without the launcher: unknown
+        # unknown: a local server started without the launcher, or no service at all (a --dry-run with no key)
+        known = here is not None or (now["kind"] == "tinker" and bool(os.environ.get("TINKER_API_KEY")))
         if saved.get("backend") and known and trained_on != here:  # a checkpoint of one model restored into another
             diffs.append(f"the model standing in ({trained_on or 'Tinker itself'} -> {here or 'Tinker itself'}: resume "
                          "under the launcher it trained with, `tinker_local.py run" +
@@ -1578,7 +1590,7 @@ def server_message(response) -> str:
             err = err.get("message", err)
         return str(err)[:300]
     return str(body)[:300]
-# ==== END SHARED CODE (sha256 988c53ad968a) ====
+# ==== END SHARED CODE (sha256 8d31e3d64ea2) ====
 
 
 if __name__ == "__main__":
