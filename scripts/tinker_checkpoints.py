@@ -13,6 +13,7 @@ Run:
     python tinker_checkpoints.py list --run RUN_ID
     python tinker_checkpoints.py resolve logs/my-sft --kind sampler
     python tinker_checkpoints.py export tinker://RUN/sampler_weights/final --out adapter/
+    python tinker_checkpoints.py export tinker://RUN/sampler_weights/final --out adapter/ --peft   # vLLM-ready
     python tinker_checkpoints.py merge adapter/ --base path/to/hf-base-model --out merged/
 
 Commands:
@@ -34,6 +35,11 @@ Commands:
                               links leaving DIR are refused before anything is written).
                               Files land in a hidden folder beside DIR that becomes DIR only
                               when complete: a failed export leaves no half-written DIR.
+                              adapter_config.json's target_modules is rewritten from the
+                              tensors (SkyRL writes null, and PEFT then loads q_proj/v_proj only).
+                              --peft: Tinker's names mapped by hf_key() (unembed_tokens ->
+                              lm_head); an embedding LoRA or Tinker's own layouts are refused
+                              (exit 2) naming the merge.
     merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
                               model's Hugging Face weights (needs torch + peft, an optional
                               extra; install torch first, then `pip install peft safetensors`).
@@ -55,7 +61,8 @@ Edit:
 Outputs:
     stdout: exactly one JSON object. list -> {"status", "checkpoints": [{"path", "type", "time",
     "size_bytes", "expires_at", "public"}]}; resolve -> {"status", "path", "kind", "source", ...};
-    export -> {"status", "path", "out", "files", "bytes", "route"}; merge -> {"status", "out",
+    export -> {"status", "path", "out", "files", "bytes", "route", "target_modules", "peft_ready", "renamed"};
+    merge -> {"status", "out",
     "target_modules", "lora_rank", "lora_alpha", "untied_embeddings", "renamed", "copied_files"}.
     On failure: {"status": "error"|"interrupted", "exit_code", "error"} and one line on stderr.
 

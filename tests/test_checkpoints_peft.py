@@ -30,10 +30,10 @@ TOKENS = [3, 17, 42, 5, 60, 11, 29, 8, 33, 50, 1, 24]
 HEAD = "base_model.model.model.unembed_tokens"
 
 
-def tiny_base(path, family):
+def tiny_base(path, family, tied=False):
     torch.manual_seed(0)
     shape = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM, tie_word_embeddings=False)
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM, tie_word_embeddings=tied)
     model = LlamaForCausalLM(LlamaConfig(**shape)) if family == "llama" else Qwen3ForCausalLM(Qwen3Config(**shape))
     model.save_pretrained(path)
     return path
@@ -175,3 +175,14 @@ def test_peft_export_refuses_what_peft_or_vllm_cannot_take_and_names_the_merge(
     assert f"tinker_checkpoints.py export tinker://{RUN}/sampler_weights/final --out {out} && " in result["error"]
     assert f"tinker_checkpoints.py merge {out} --base BASE_DIR --out merged/" in result["error"]
     assert not out.exists() and list(tmp_path.glob(".adapter.partial-*")) == []
+
+
+def test_on_a_tied_base_peft_warns_about_the_adapted_head(server, tmp_path, capsys, caplog):  # noqa: F811
+    """What checkpoints.md says of Qwen3-0.6B-like bases: PEFT warns of a LoRA on a tied lm_head (merge unties)."""
+    base = tiny_base(tmp_path / "base", "qwen3", tied=True)
+    serve(server, write_adapter(tmp_path / "server-side", adapter_tensors(head=True)))
+    code, result = run(capsys, "export", f"tinker://{RUN}/sampler_weights/final", "--out", str(tmp_path / "a"),
+                       "--peft")
+    assert code == 0, result
+    _, said = peft_loaded(base, tmp_path / "a", caplog)
+    assert any("`tie_word_embeddings=True` and a tied layer is part of the adapter" in m for m in said), said
