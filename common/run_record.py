@@ -91,6 +91,19 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+
+# Settings a flag turns off: config.json keeps the setting (train_unembed: false), the user types the flag.
+OFF_FLAGS = {"train_unembed": "--no-train-unembed"}
+
+
+def resume_diff(key: str, saved, now) -> str:
+    """One setting that differs on --resume, named as the user types it."""
+    if key in OFF_FLAGS:
+        given = {False: "given"}  # the setting is off only when the flag was given
+        return f"{OFF_FLAGS[key]} {given.get(saved, 'not given')} -> {given.get(now, 'not given')}"
+    return f"--{key.replace('_', '-')} {saved!r} -> {now!r}"
+
+
 class Run:
     """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
     `rewind` and `checkpoint` are the only writers."""
@@ -288,8 +301,7 @@ class Run:
             say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
                 "saved run cannot be compared with these; continuing from its last checkpoint as asked")
             return
-        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        diffs = [resume_diff(k, saved.get(k), config.get(k)) for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
         if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])

@@ -101,13 +101,18 @@ def batch_nll(result, masks) -> float:
     return total / max(count, 1.0)
 
 
-def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None,
+                    train_unembed=True):
     """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
-    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA.
+    A restored client trains the layers its checkpoint trained: `train_unembed` (--no-train-unembed) only
+    shapes a new LoRA, and --resume refuses a changed value (RESUME_KEYS)."""
     if resume_from:
         tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
         say(f"resumed from {resume_from['state_path']} at {position}")
         return tc
     if init_from:
         return service.create_training_client_from_state(init_from).result()
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
+    # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
+    head = {} if train_unembed else {"train_unembed": False}
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()

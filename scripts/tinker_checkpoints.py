@@ -13,6 +13,7 @@ Run:
     python tinker_checkpoints.py list --run RUN_ID
     python tinker_checkpoints.py resolve logs/my-sft --kind sampler
     python tinker_checkpoints.py export tinker://RUN/sampler_weights/final --out adapter/
+    python tinker_checkpoints.py export tinker://RUN/sampler_weights/final --out adapter/ --peft   # vLLM-ready
     python tinker_checkpoints.py merge adapter/ --base path/to/hf-base-model --out merged/
 
 Commands:
@@ -34,6 +35,11 @@ Commands:
                               links leaving DIR are refused before anything is written).
                               Files land in a hidden folder beside DIR that becomes DIR only
                               when complete: a failed export leaves no half-written DIR.
+                              adapter_config.json's target_modules is rewritten from the
+                              tensors (SkyRL writes null, and PEFT then loads q_proj/v_proj only).
+                              --peft: Tinker's names mapped by hf_key() (unembed_tokens ->
+                              lm_head); an embedding LoRA or Tinker's own layouts are refused
+                              (exit 2) naming the merge.
     merge ADAPTER_DIR --base BASE_DIR --out DIR   merge a PEFT LoRA adapter into the base
                               model's Hugging Face weights (needs torch + peft, an optional
                               extra; install torch first, then `pip install peft safetensors`).
@@ -55,7 +61,8 @@ Edit:
 Outputs:
     stdout: exactly one JSON object. list -> {"status", "checkpoints": [{"path", "type", "time",
     "size_bytes", "expires_at", "public"}]}; resolve -> {"status", "path", "kind", "source", ...};
-    export -> {"status", "path", "out", "files", "bytes", "route"}; merge -> {"status", "out",
+    export -> {"status", "path", "out", "files", "bytes", "route", "target_modules", "peft_ready", "renamed"};
+    merge -> {"status", "out",
     "target_modules", "lora_rank", "lora_alpha", "untied_embeddings", "renamed", "copied_files"}.
     On failure: {"status": "error"|"interrupted", "exit_code", "error"} and one line on stderr.
 
@@ -107,6 +114,9 @@ def parser():
     ex.add_argument("path", metavar="PATH", help="tinker://RUN/{weights,sampler_weights,external_weights}/NAME")
     ex.add_argument("--out", required=True, metavar="DIR")
     ex.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    ex.add_argument("--peft", action="store_true",
+                    help="write the adapter as PEFT and vLLM name it: Tinker's names mapped by hf_key() "
+                         "(unembed_tokens -> lm_head); a layout PEFT cannot express is refused (exit 2)")
     mg = sub.add_parser("merge", help="merge a PEFT LoRA adapter into Hugging Face base weights (needs torch, peft)")
     mg.add_argument("adapter_dir", metavar="ADAPTER_DIR", help="folder with adapter_config.json + adapter_model.safetensors")
     mg.add_argument("--base", required=True, metavar="BASE_DIR", help="the base model's Hugging Face folder")
@@ -251,6 +261,7 @@ def cmd_export(args) -> dict:
             result = export_state_with_cli(args.path, staging, out)
         else:
             result = export_sampler_archive(args.path, staging, out, key)
+        result.update(complete_adapter(staging, peft=args.peft, fix=export_fix(args.path, args.out, args.peft)))
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
@@ -431,6 +442,121 @@ def export_state_with_cli(path: str, dest: Path, out: Path) -> dict:
             "bytes": sum((dest / f).stat().st_size for f in files)}
 
 
+# ==== the exported adapter: adapter_config.json completed; --peft: the form PEFT and vLLM load ====
+EMBEDDING_MODULES = ("embed_tokens", "wte", "word_embeddings")
+
+
+def complete_adapter(folder: Path, *, peft: bool, fix: str) -> dict:
+    """Make the exported adapter say what it holds, before it becomes --out.
+
+    `target_modules` is listed from the tensors: SkyRL's exports (the local backend) write null, and PEFT then
+    falls back to its per-architecture default (q_proj and v_proj for Llama and Qwen) and drops every other
+    tensor without a warning. With --peft the tensors are also renamed by hf_key() (Tinker's unembed_tokens ->
+    lm_head), and a layout PEFT or vLLM cannot take is refused (exit 2) naming `fix`. Reads only the safetensors
+    header: no torch needed."""
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not (config_file.is_file() and weights_file.is_file()):
+        if peft:
+            raise DataError("--peft: the checkpoint holds no PEFT adapter (expected adapter_config.json and "
+                            f"adapter_model.safetensors, got {', '.join(sorted(p.name for p in folder.iterdir()))})")
+        return {}
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        header, _ = safetensors_header(weights_file)
+    except (ValueError, UnicodeDecodeError, OSError) as e:  # length and checksums matched: the server sent this
+        raise ScriptError(f"the exported adapter is unreadable ({one_line(e, 150)}), so its target_modules cannot be "
+                          "listed; nothing was written to --out; next: run the export again") from None
+    shapes = {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    names = {k: hf_key(k) for k in shapes}
+    renamed = sorted({k.rsplit(".lora_", 1)[0] for k, v in names.items() if v != k})
+    problems = peft_problems({names[k]: s for k, s in shapes.items()}) + tinker_layouts(shapes)
+    if peft:
+        if problems:
+            raise DataError(f"--peft: not written, the adapter has {'; '.join(problems)}; {fix}")
+        if len(set(names.values())) != len(names):
+            raise DataError(f"--peft: hf_key() maps two tensors to one name; fix the rule in hf_key(); {fix}")
+        if renamed:
+            rename_safetensors(weights_file, names)
+            shapes = {names[k]: s for k, s in shapes.items()}
+            say(f"Tinker's names mapped to Hugging Face's (hf_key()): {', '.join(renamed)}")
+        ranks = sorted({s[0] for k, s in shapes.items() if k.endswith((".lora_A.weight", ".lora_embedding_A"))})
+        if len(ranks) != 1:
+            raise DataError(f"--peft: the adapter's LoRA ranks differ between modules ({ranks}); {fix}")
+        config["r"] = ranks[0]
+        config["peft_type"] = config.get("peft_type") or "LORA"
+        config["task_type"] = config.get("task_type") or "CAUSAL_LM"
+    targets = adapter_target_modules(shapes)
+    if not targets:
+        if peft:
+            raise DataError(f"--peft: {weights_file.name} holds no lora_A/lora_B tensors; expected a LoRA adapter")
+        say(f"warning: {weights_file.name} holds no lora_A/lora_B tensors; adapter_config.json left as it was")
+        return {"target_modules": config.get("target_modules"), "peft_ready": False, "renamed": []}
+    declared = config.get("target_modules")
+    config["target_modules"] = targets
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if declared != targets:
+        say(f"adapter_config.json: target_modules {declared} -> {targets} (from the tensors)")
+    ready = peft or not (problems or renamed)
+    if not ready:
+        why = "; ".join(problems) if problems else "Tinker's names: " + ", ".join(renamed)
+        say(f"note: PEFT and vLLM cannot load this adapter as written ({why}); "
+            + (fix if problems else "next: export it again with --peft"))
+    return {"target_modules": targets, "peft_ready": ready, "renamed": renamed if peft else []}
+
+
+def export_fix(path: str, out: str, peft: bool) -> str:
+    """The next step for an adapter PEFT or vLLM cannot take: merged into the base model (or the cookbook's
+    converter); after a refused --peft, the export without it comes first."""
+    merge = script_command("tinker_checkpoints.py", "merge", out, "--base", "BASE_DIR", "--out", "merged/")
+    first = script_command("tinker_checkpoints.py", "export", path, "--out", out) + " && " if peft else ""
+    return (f"next: {'export without --peft and ' if peft else ''}merge it into the base model: {first}{merge}; "
+            "or convert it with the tinker-cookbook's weights.build_lora_adapter (pip install tinker-cookbook)")
+
+
+def peft_problems(shapes: dict) -> list[str]:
+    """What keeps a PEFT-named adapter (after hf_key()) from loading in PEFT and vLLM as written."""
+    problems = []
+    outside = [k for k in shapes if not k.startswith("base_model.model.")]
+    if outside:
+        problems.append(f"tensors outside base_model.model. (first {outside[0]})")
+    embedding = [k for k in shapes if any(f".{m}.lora_" in k for m in EMBEDDING_MODULES)]
+    if embedding:
+        problems.append(f"an input-embedding LoRA (first {embedding[0]}): vLLM takes one only for some models "
+                        "and versions, and SkyRL saves it in a linear layer's layout PEFT does not read")
+    return problems
+
+
+def tinker_layouts(shapes: dict) -> list[str]:
+    """Tinker's own layouts, which no hf_key() rename makes PEFT's (the cookbook converts them)."""
+    signs = {"3-D expert tensors": [k for k, s in shapes.items() if len(s) != 2],
+             "expert names w1/w2/w3": [k for k in shapes if any(f".experts.{w}." in k for w in ("w1", "w2", "w3"))],
+             "gpt-oss's .attn": [k for k in shapes if ".attn." in k and ".self_attn." not in k and ".layers." in k],
+             "split in_proj_q/k/v": [k for k in shapes if any(f".in_proj_{x}." in k for x in "qkv")]}
+    return [f"Tinker's own layout ({what}, first {keys[0]})" for what, keys in signs.items() if keys]
+
+
+def safetensors_header(path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets) and where its data starts."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 1 << 27:
+            raise ValueError(f"{Path(path).name} is not a safetensors file (header of {size} bytes)")
+        return json.loads(f.read(size)), 8 + size
+
+
+def rename_safetensors(path: Path, names: dict) -> None:
+    """Rename tensors in place: a new header with the same offsets, the data bytes copied as they are."""
+    header, start = safetensors_header(path)
+    raw = json.dumps({names.get(k, k): v for k, v in header.items()}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads its header with spaces to 8 bytes
+    tmp = path.with_name(path.name + ".renamed")
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        dst.write(len(raw).to_bytes(8, "little") + raw)
+        src.seek(start)
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, path)
+
+
 # ==== merge (optional extra: torch + peft) ====
 def cmd_merge(args) -> dict:
     adapter, base_dir = Path(args.adapter_dir), Path(args.base)
@@ -545,13 +671,9 @@ def adapter_target_modules(keys) -> list[str]:
 def not_merged(detail: str, state: dict, base_dir) -> ScriptError:
     """Why the tensors did not fit --base: Tinker's own layout where the names show one that hf_key() does not
     map (the cookbook's converter is the next step), else the question whether --base is the right model."""
-    signs = {"3-D expert tensors": [k for k, v in state.items() if getattr(v, "ndim", 2) != 2],
-             "expert names w1/w2/w3": [k for k in state if any(f".experts.{w}." in k for w in ("w1", "w2", "w3"))],
-             "gpt-oss's .attn": [k for k in state if ".attn." in k and ".self_attn." not in k and ".layers." in k],
-             "split in_proj_q/k/v": [k for k in state if any(f".in_proj_{x}." in k for x in "qkv")]}
-    found = [f"{what}, first {keys[0]}" for what, keys in signs.items() if keys]
+    found = tinker_layouts({k: tuple(getattr(v, "shape", (0, 0))) for k, v in state.items()})
     if found:
-        return ScriptError(f"{detail}: the adapter uses Tinker's own layout ({'; '.join(found)}), which this merge "
+        return ScriptError(f"{detail}: the adapter uses {'; '.join(found)}, which this merge "
                            "does not convert; merge it with the tinker-cookbook's weights.build_hf_model "
                            "(pip install tinker-cookbook), or map the names in hf_key()")
     return ScriptError(f"{detail}; is --base ({base_dir}) the model this adapter was trained on?")
@@ -1123,6 +1245,18 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# Settings a flag turns off: config.json keeps the setting (train_unembed: false), the user types the flag.
+OFF_FLAGS = {"train_unembed": "--no-train-unembed"}
+
+
+def resume_diff(key: str, saved, now) -> str:
+    """One setting that differs on --resume, named as the user types it."""
+    if key in OFF_FLAGS:
+        given = {False: "given"}  # the setting is off only when the flag was given
+        return f"{OFF_FLAGS[key]} {given.get(saved, 'not given')} -> {given.get(now, 'not given')}"
+    return f"--{key.replace('_', '-')} {saved!r} -> {now!r}"
+
+
 class Run:
     """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
     `rewind` and `checkpoint` are the only writers."""
@@ -1320,8 +1454,7 @@ class Run:
             say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
                 "saved run cannot be compared with these; continuing from its last checkpoint as asked")
             return
-        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        diffs = [resume_diff(k, saved.get(k), config.get(k)) for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
         if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
@@ -1561,7 +1694,7 @@ def server_message(response) -> str:
             err = err.get("message", err)
         return str(err)[:300]
     return str(body)[:300]
-# ==== END SHARED CODE (sha256 4dd20523e804) ====
+# ==== END SHARED CODE (sha256 1da5d80b7095) ====
 
 
 if __name__ == "__main__":

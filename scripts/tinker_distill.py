@@ -69,7 +69,7 @@ import time
 from pathlib import Path
 
 # Settings a --resume must repeat: any other value would make the resumed run a different run.
-RESUME_KEYS = ("model_name", "teacher", "teacher_base", "lora_rank", "learning_rate", "batch_size",
+RESUME_KEYS = ("model_name", "teacher", "teacher_base", "lora_rank", "train_unembed", "learning_rate", "batch_size",
                "group_size", "max_tokens", "temperature", "kl_coef", "seed", "prompts_sha256", "init_from")
 # --rehearse: a run the local backend's tiny model visibly distils (figures measured on it, see
 # references/distillation.md); any flag given wins. Without --teacher the rehearsal first trains its own
@@ -105,6 +105,10 @@ def parse_args(argv=None):
                    help="JSONL of {'messages': [...]} or {'prompt': str}; a trailing assistant turn is dropped, "
                         "so an SFT data file works (default: PROMPTS in the EDIT ME block)")
     p.add_argument("--lora-rank", type=int, default=32, help="ignored with --init-from (the checkpoint's rank)")
+    p.add_argument("--no-train-unembed", dest="train_unembed", action="store_false",
+                   help="leave the output head out of the LoRA (the SDK's train_unembed=False; its default "
+                        "trains it): an export then has no lm_head LoRA, which some vLLM versions and models "
+                        "refuse; ignored with --init-from (the checkpoint's layers)")
     p.add_argument("--init-from", default=None,
                    help="start the student from a tinker://.../weights/NAME state, weights only, fresh optimizer "
                         "(e.g. the state_path of an SFT run's final checkpoint)")
@@ -248,7 +252,8 @@ def train_run(args, student, teacher, prompt_lengths, run):
     else:
         run.begin(config)
     tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
-                         position=f"iteration {start}", init_from=args.init_from)
+                         position=f"iteration {start}", init_from=args.init_from,
+                         train_unembed=args.train_unembed)
     if args.init_from and not resume_row:
         say(f"student starts from {args.init_from} (weights only, fresh optimizer)")
 
@@ -1735,6 +1740,18 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# Settings a flag turns off: config.json keeps the setting (train_unembed: false), the user types the flag.
+OFF_FLAGS = {"train_unembed": "--no-train-unembed"}
+
+
+def resume_diff(key: str, saved, now) -> str:
+    """One setting that differs on --resume, named as the user types it."""
+    if key in OFF_FLAGS:
+        given = {False: "given"}  # the setting is off only when the flag was given
+        return f"{OFF_FLAGS[key]} {given.get(saved, 'not given')} -> {given.get(now, 'not given')}"
+    return f"--{key.replace('_', '-')} {saved!r} -> {now!r}"
+
+
 class Run:
     """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
     `rewind` and `checkpoint` are the only writers."""
@@ -1932,8 +1949,7 @@ class Run:
             say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
                 "saved run cannot be compared with these; continuing from its last checkpoint as asked")
             return
-        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        diffs = [resume_diff(k, saved.get(k), config.get(k)) for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
         if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
@@ -2379,16 +2395,21 @@ class BatchOrder:
         return self._order[index * self.size:(index + 1) * self.size]
 
 
-def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None,
+                    train_unembed=True):
     """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
-    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA.
+    A restored client trains the layers its checkpoint trained: `train_unembed` (--no-train-unembed) only
+    shapes a new LoRA, and --resume refuses a changed value (RESUME_KEYS)."""
     if resume_from:
         tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
         say(f"resumed from {resume_from['state_path']} at {position}")
         return tc
     if init_from:
         return service.create_training_client_from_state(init_from).result()
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
+    # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
+    head = {} if train_unembed else {"train_unembed": False}
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
 
 
 # ---- common/onpolicy.py ----
@@ -2500,7 +2521,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 27b126909e00) ====
+# ==== END SHARED CODE (sha256 2f726e4d0f0c) ====
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ import time
 DEFAULT_MODEL = "Qwen/Qwen3-8B"
 REFS_FILE = "reference_logprobs.jsonl"
 # Settings that must match the saved run for --resume to continue it exactly.
-RESUME_KEYS = ("model_name", "lora_rank", "init_from", "learning_rate", "lr_schedule", "warmup_steps",
+RESUME_KEYS = ("model_name", "lora_rank", "train_unembed", "init_from", "learning_rate", "lr_schedule", "warmup_steps",
                "batch_size", "epochs", "max_steps", "seed", "dpo_beta", "reference", "pairs_sha256")
 NUMBER_RULES = {
     "dpo_beta": dict(low=0, low_open=True),
@@ -105,6 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--model-name", default=DEFAULT_MODEL, help="Tinker base model id")
     p.add_argument("--tokenizer", help="tokenizer folder or hub name (default: from --model-name)")
     p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--no-train-unembed", dest="train_unembed", action="store_false",
+                   help="leave the output head out of the LoRA (the SDK's train_unembed=False; its default "
+                        "trains it): an export then has no lm_head LoRA, which some vLLM versions and models "
+                        "refuse; ignored with --init-from (the checkpoint's layers)")
     p.add_argument("--init-from", help="start from (and take as the reference) a tinker://.../weights/NAME state, "
                                        "e.g. your SFT run's final state_path")
     p.add_argument("--dpo-beta", type=float, default=0.1, help="strength of the pull toward the reference")
@@ -226,7 +230,8 @@ def train_run(args, run) -> int:
     else:
         run.begin(config)
     tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_from,
-                         position=f"step {start}/{total_steps}", init_from=args.init_from)
+                         position=f"step {start}/{total_steps}", init_from=args.init_from,
+                         train_unembed=args.train_unembed)
     if not resume_from:
         refs = compute_references(tc, pairs, args.reference)
         for i, ref in enumerate(refs):
@@ -1647,6 +1652,18 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# Settings a flag turns off: config.json keeps the setting (train_unembed: false), the user types the flag.
+OFF_FLAGS = {"train_unembed": "--no-train-unembed"}
+
+
+def resume_diff(key: str, saved, now) -> str:
+    """One setting that differs on --resume, named as the user types it."""
+    if key in OFF_FLAGS:
+        given = {False: "given"}  # the setting is off only when the flag was given
+        return f"{OFF_FLAGS[key]} {given.get(saved, 'not given')} -> {given.get(now, 'not given')}"
+    return f"--{key.replace('_', '-')} {saved!r} -> {now!r}"
+
+
 class Run:
     """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
     `rewind` and `checkpoint` are the only writers."""
@@ -1844,8 +1861,7 @@ class Run:
             say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
                 "saved run cannot be compared with these; continuing from its last checkpoint as asked")
             return
-        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        diffs = [resume_diff(k, saved.get(k), config.get(k)) for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
         if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
@@ -2314,17 +2330,22 @@ class BatchOrder:
         return self._order[index * self.size:(index + 1) * self.size]
 
 
-def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None,
+                    train_unembed=True):
     """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
-    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA.
+    A restored client trains the layers its checkpoint trained: `train_unembed` (--no-train-unembed) only
+    shapes a new LoRA, and --resume refuses a changed value (RESUME_KEYS)."""
     if resume_from:
         tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
         say(f"resumed from {resume_from['state_path']} at {position}")
         return tc
     if init_from:
         return service.create_training_client_from_state(init_from).result()
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 d2e6c9df05a9) ====
+    # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
+    head = {} if train_unembed else {"train_unembed": False}
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
+# ==== END SHARED CODE (sha256 19b4300f7304) ====
 
 
 if __name__ == "__main__":

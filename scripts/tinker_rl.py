@@ -100,9 +100,9 @@ REHEARSAL_SETTINGS = dict(learning_rate=1e-2, iterations=5, batch_size=2, group_
 # it was trained on, sampled as a trained policy is.
 REHEARSAL_FROM_CHECKPOINT = dict(max_tokens=32, temperature=1.0)
 # A resumed run must match these settings (and the format); config.json keeps the original ones.
-RESUME_KEYS = ("env", "rehearse", "model_name", "lora_rank", "learning_rate", "loss_fn", "loss_fn_config", "batch_size",
-               "group_size", "max_tokens", "temperature", "max_turns", "on_truncation", "normalize_std",
-               "seed", "tasks_sha256", "init_from", "reward")
+RESUME_KEYS = ("env", "rehearse", "model_name", "lora_rank", "train_unembed", "learning_rate", "loss_fn",
+               "loss_fn_config", "batch_size", "group_size", "max_tokens", "temperature", "max_turns", "on_truncation",
+               "normalize_std", "seed", "tasks_sha256", "init_from", "reward")
 
 
 def edit_me(name, default=None):
@@ -123,6 +123,10 @@ def parse_args(argv=None):
     p.add_argument("--model-name", default="Qwen/Qwen3-8B")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     p.add_argument("--lora-rank", type=int, default=32, help="ignored with --init-from (the checkpoint's rank)")
+    p.add_argument("--no-train-unembed", dest="train_unembed", action="store_false",
+                   help="leave the output head out of the LoRA (the SDK's train_unembed=False; its default "
+                        "trains it): an export then has no lm_head LoRA, which some vLLM versions and models "
+                        "refuse; ignored with --init-from (the checkpoint's layers)")
     p.add_argument("--init-from", default=None,
                    help="start from a tinker://.../weights/NAME state, weights only, fresh optimizer (e.g. the "
                         "state_path of an SFT run's final checkpoint)")
@@ -274,7 +278,8 @@ def train_run(args, job, run):
     start = resume_row["next_iteration"] if resume_row else 0
     tc = None
     if args.reward == "auto":  # a free local rehearsal: does the user's reward tell the first samples apart?
-        tc = training_client(service, args.model_name, args.lora_rank, args.seed, init_from=args.init_from)
+        tc = training_client(service, args.model_name, args.lora_rank, args.seed, init_from=args.init_from,
+                             train_unembed=args.train_unembed)
         job = choose_reward(args, job, tc, context_window)
     say_reward(args, job)
     config = run_config(args, job, context_window)
@@ -287,7 +292,8 @@ def train_run(args, job, run):
     else:
         run.begin(config)
     tc = tc or training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
-                               position=f"iteration {start}", init_from=args.init_from)
+                               position=f"iteration {start}", init_from=args.init_from,
+                               train_unembed=args.train_unembed)
     ro = Rollouts(job, args, context_window)
     cost = CostMeter(args.model_name, run, context=context_window)  # cost/* per row, priced as the estimate
     rewards_seen = [r["reward_mean"] for r in run.rows("metrics.jsonl")]
@@ -1787,6 +1793,18 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# Settings a flag turns off: config.json keeps the setting (train_unembed: false), the user types the flag.
+OFF_FLAGS = {"train_unembed": "--no-train-unembed"}
+
+
+def resume_diff(key: str, saved, now) -> str:
+    """One setting that differs on --resume, named as the user types it."""
+    if key in OFF_FLAGS:
+        given = {False: "given"}  # the setting is off only when the flag was given
+        return f"{OFF_FLAGS[key]} {given.get(saved, 'not given')} -> {given.get(now, 'not given')}"
+    return f"--{key.replace('_', '-')} {saved!r} -> {now!r}"
+
+
 class Run:
     """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
     `rewind` and `checkpoint` are the only writers."""
@@ -1984,8 +2002,7 @@ class Run:
             say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
                 "saved run cannot be compared with these; continuing from its last checkpoint as asked")
             return
-        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        diffs = [resume_diff(k, saved.get(k), config.get(k)) for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
         if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
@@ -2436,16 +2453,21 @@ ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
 
 
-def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None,
+                    train_unembed=True):
     """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
-    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA.
+    A restored client trains the layers its checkpoint trained: `train_unembed` (--no-train-unembed) only
+    shapes a new LoRA, and --resume refuses a changed value (RESUME_KEYS)."""
     if resume_from:
         tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
         say(f"resumed from {resume_from['state_path']} at {position}")
         return tc
     if init_from:
         return service.create_training_client_from_state(init_from).result()
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
+    # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
+    head = {} if train_unembed else {"train_unembed": False}
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
 
 
 # ---- common/onpolicy.py ----
@@ -3048,7 +3070,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 2539641fa2a4) ====
+# ==== END SHARED CODE (sha256 b9a175eb83d0) ====
 
 
 if __name__ == "__main__":

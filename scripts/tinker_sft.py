@@ -68,7 +68,7 @@ DEFAULT_MODEL = "Qwen/Qwen3-8B"
 DEFAULT_RENDER_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "tinker-training-inference", "rendered")
 # Settings that must match for --resume to continue the same run exactly.
 RESUME_KEYS = ("model_name", "data", "test_data", "test_fraction", "train_on", "batch_size", "epochs",
-               "max_steps", "seed", "learning_rate", "lr_schedule", "warmup_steps", "lora_rank",
+               "max_steps", "seed", "learning_rate", "lr_schedule", "warmup_steps", "lora_rank", "train_unembed",
                "max_length", "drop_long", "truncate", "init_from")
 
 # --rehearse: the settings of SFT_REHEARSAL (in the shared code below: one for the local backend's tiny model, one
@@ -111,6 +111,10 @@ def parse_args(argv=None):
     p.add_argument("--model-name", default=DEFAULT_MODEL, help="Tinker base model id")
     p.add_argument("--tokenizer", help="tokenizer folder or hub name (default: from --model-name)")
     p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--no-train-unembed", dest="train_unembed", action="store_false",
+                   help="leave the output head out of the LoRA (the SDK's train_unembed=False; its default "
+                        "trains it): an export then has no lm_head LoRA, which some vLLM versions and models "
+                        "refuse; ignored with --init-from (the checkpoint's layers)")
     p.add_argument("--init-from", help="start from a tinker://.../weights/NAME state (fresh optimizer)")
     # optimisation
     p.add_argument("--learning-rate", type=float, help="default: the cookbook LoRA formula for the family")
@@ -263,7 +267,8 @@ def train(args, job, run, service, resume_row):
     start = resume_row["next_batch"] if resume_row is not None else 0
     job.cost = CostMeter(args.model_name, run)  # prices what each step sends; a resume continues the sum
     tc = training_client(service, args.model_name, args.lora_rank, args.seed, resume_from=resume_row,
-                         position=f"batch {start}", init_from=args.init_from)
+                         position=f"batch {start}", init_from=args.init_from,
+                         train_unembed=args.train_unembed)
 
     if resume_row is None:  # before training; a fresh LoRA is the identity, so the base model samples
         base = service.create_sampling_client(base_model=args.model_name).result() if samples_wanted(args, job) else None
@@ -2296,6 +2301,18 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+# Settings a flag turns off: config.json keeps the setting (train_unembed: false), the user types the flag.
+OFF_FLAGS = {"train_unembed": "--no-train-unembed"}
+
+
+def resume_diff(key: str, saved, now) -> str:
+    """One setting that differs on --resume, named as the user types it."""
+    if key in OFF_FLAGS:
+        given = {False: "given"}  # the setting is off only when the flag was given
+        return f"{OFF_FLAGS[key]} {given.get(saved, 'not given')} -> {given.get(now, 'not given')}"
+    return f"--{key.replace('_', '-')} {saved!r} -> {now!r}"
+
+
 class Run:
     """A log folder. Checks (`resume_point`, `check_resume`) write nothing; `begin`, `append`,
     `rewind` and `checkpoint` are the only writers."""
@@ -2493,8 +2510,7 @@ class Run:
             say(f"warning: --resume: {self.file('config.json')} is missing or unreadable, so the settings of the "
                 "saved run cannot be compared with these; continuing from its last checkpoint as asked")
             return
-        diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
-                 for k in keys if k in saved and saved.get(k) != config.get(k)]
+        diffs = [resume_diff(k, saved.get(k), config.get(k)) for k in keys if k in saved and saved.get(k) != config.get(k)]
         saved_fmt = dict(saved.get("format") or {})
         if saved_fmt.get("tokenizer"):  # runs recorded before tokenizer folders were made absolute
             saved_fmt["tokenizer"] = tokenizer_record(saved_fmt["tokenizer"])
@@ -3030,17 +3046,22 @@ def batch_nll(result, masks) -> float:
     return total / max(count, 1.0)
 
 
-def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None):
+def training_client(service, model_name, lora_rank, seed, *, resume_from=None, position="", init_from=None,
+                    train_unembed=True):
     """The training client: the checkpoint --resume continues from (weights and optimizer state; `position`
-    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA."""
+    says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA.
+    A restored client trains the layers its checkpoint trained: `train_unembed` (--no-train-unembed) only
+    shapes a new LoRA, and --resume refuses a changed value (RESUME_KEYS)."""
     if resume_from:
         tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
         say(f"resumed from {resume_from['state_path']} at {position}")
         return tc
     if init_from:
         return service.create_training_client_from_state(init_from).result()
-    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed).result()
-# ==== END SHARED CODE (sha256 0f08b3305734) ====
+    # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
+    head = {} if train_unembed else {"train_unembed": False}
+    return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
+# ==== END SHARED CODE (sha256 563325398e1a) ====
 
 
 if __name__ == "__main__":

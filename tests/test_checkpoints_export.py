@@ -13,7 +13,28 @@ import pytest
 import tinker_checkpoints
 
 RUN = "run-7"
-FILES = {"adapter_config.json": b'{"r": 8, "lora_alpha": 32}', "adapter_model.safetensors": b"\x00" * 4096}
+LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+          "mlp.up_proj", "mlp.down_proj")
+
+
+def safetensors_bytes(shapes):
+    """A safetensors file of float32 zeros, written by hand (these tests need no torch)."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * shape[0] * shape[1]
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + b"\x00" * offset
+
+
+# The local backend's (SkyRL's) export: PEFT names, every linear layer, and "target_modules": null.
+ADAPTER = safetensors_bytes({f"base_model.model.model.layers.0.{m}.lora_{ab}.weight": (8, 16)
+                             for m in LINEAR for ab in "AB"})
+FILES = {"adapter_config.json": b'{"r": 8, "lora_alpha": 32, "target_modules": null}',
+         "adapter_model.safetensors": ADAPTER}
+ALL_LINEAR = sorted(m.split(".")[1] for m in LINEAR)
 
 
 def tar_bytes(entries):
@@ -103,8 +124,9 @@ def test_external_weights_are_downloaded_file_by_file_with_checksums(server, tmp
     assert code == 0, result
     assert result["route"] == "external_weights_urls"
     assert result["files"] == sorted(FILES) and result["bytes"] == sum(map(len, FILES.values()))
-    for name, data in FILES.items():
-        assert (tmp_path / "out" / name).read_bytes() == data
+    assert (tmp_path / "out" / "adapter_model.safetensors").read_bytes() == ADAPTER
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text()) == {
+        "r": 8, "lora_alpha": 32, "target_modules": ALL_LINEAR}
 
 
 def test_a_checksum_mismatch_fails_the_export(server, tmp_path, capsys):
@@ -129,7 +151,7 @@ def test_sampler_checkpoint_comes_from_the_archive_route(server, tmp_path, capsy
                        "--out", str(tmp_path / "out"))
     assert code == 0, result
     assert result["route"] == "archive" and result["files"] == sorted(FILES)
-    assert (tmp_path / "out" / "adapter_config.json").read_bytes() == FILES["adapter_config.json"]
+    assert (tmp_path / "out" / "adapter_model.safetensors").read_bytes() == ADAPTER
 
 
 def test_an_unsafe_archive_from_the_server_writes_nothing(server, tmp_path, capsys):

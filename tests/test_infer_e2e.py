@@ -215,6 +215,15 @@ def test_export_of_a_sampler_checkpoint_yields_a_peft_adapter(exported):
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
 
 
+def test_a_local_export_lists_its_linear_layers_and_has_no_head_although_train_unembed_was_asked(exported):
+    """TRAIN asks for the SDK's default, train_unembed=True; the local backend (SkyRL 0.4.0) keeps only the
+    rank and seed of a LoRA config, so neither the output head nor the embedding is trained or exported."""
+    out, result = exported
+    linear = sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert result["target_modules"] == linear and result["peft_ready"] is True
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == linear  # SkyRL wrote null
+
+
 def test_merged_model_matches_the_servers_logprobs(local_tinker, trained, exported, tokenizer, tmp_path):
     torch = pytest.importorskip("torch", reason="the merge extra needs torch")
     from transformers import AutoModelForCausalLM
@@ -239,8 +248,15 @@ def test_merged_model_matches_the_servers_logprobs(local_tinker, trained, export
 
     merged = local_logprobs(merged_dir)
     max_diff = max(abs(a - b) for a, b in zip(merged, server))
+    import peft  # the export as PEFT loads it (its target_modules listed from the tensors) computes the same
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(str(local_tinker.tokenizer_dir), dtype=torch.float32)
+        logp = torch.log_softmax(peft.PeftModel.from_pretrained(base, str(exported[0])).eval()(
+            torch.tensor([ids])).logits[0].float(), dim=-1)
+    peft_diff = max(abs(logp[i - 1, ids[i]].item() - server[i - 1]) for i in range(1, len(ids)))
+    assert peft_diff < 1e-2
     base_diff = max(abs(a - b) for a, b in zip(local_logprobs(local_tinker.tokenizer_dir), server))
     print(f"\nmerge: max |merged - server| logprob = {max_diff:.3e} over {len(ids) - 1} tokens; "
-          f"base model vs server = {base_diff:.3e}")
+          f"PEFT-loaded export vs server = {peft_diff:.3e}; base model vs server = {base_diff:.3e}")
     assert max_diff < 1e-2
     assert base_diff > 10 * max_diff  # the adapter really changed the model, and the merge carried it

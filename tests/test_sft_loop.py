@@ -104,7 +104,8 @@ class RecordingService:
         self.created.append((how, arg, tc))
         return SimpleNamespace(result=lambda: tc)
 
-    def create_lora_training_client(self, base_model, rank, seed):
+    def create_lora_training_client(self, base_model, rank, seed, train_unembed=True):  # the SDK's default
+        self.train_unembed = train_unembed
         return self._client("lora", (base_model, rank, seed))
 
     def create_training_client_from_state_with_optimizer(self, path):
@@ -216,6 +217,31 @@ def test_resume_with_changed_settings_is_refused(offline_main, tmp_path, capsys)
         (tmp_path / "log" / "checkpoints.jsonl").read_text().splitlines()[0] + "\n")
     with pytest.raises(sft.DataError, match="--batch-size 4 -> 2"):
         offline_main(tmp_path / "log", "--resume", "--batch-size", "2")
+
+
+def test_no_train_unembed_leaves_the_head_out_is_recorded_and_holds_on_resume(offline_main, tmp_path, capsys):
+    code, service = offline_main(tmp_path / "log", "--no-train-unembed")
+    assert code == 0 and service.train_unembed is False  # create_lora_training_client(..., train_unembed=False)
+    assert json.loads((tmp_path / "log" / "config.json").read_text())["train_unembed"] is False
+    code, service = offline_main(tmp_path / "default")
+    assert code == 0 and service.train_unembed is True  # the SDK's default, as before
+    assert json.loads((tmp_path / "default" / "config.json").read_text())["train_unembed"] is True
+    (tmp_path / "log" / "checkpoints.jsonl").write_text(
+        (tmp_path / "log" / "checkpoints.jsonl").read_text().splitlines()[0] + "\n")
+    with pytest.raises(sft.DataError, match="--no-train-unembed given -> not given"):
+        offline_main(tmp_path / "log", "--resume")
+    code, service = offline_main(tmp_path / "log", "--resume", "--no-train-unembed")
+    assert code == 0 and [how for how, _, _ in service.created] == ["resume"]
+
+
+@pytest.mark.parametrize("script", ["tinker_sft", "tinker_rl", "tinker_dpo", "tinker_distill"])
+def test_every_training_script_takes_no_train_unembed_and_resume_checks_it(script):
+    module = __import__(script)
+    assert module.parse_args(["--no-train-unembed"]).train_unembed is False
+    assert module.parse_args([]).train_unembed is True
+    assert "train_unembed" in module.RESUME_KEYS
+    source = Path(module.__file__).read_text()
+    assert source.count("train_unembed=args.train_unembed") == source.count("init_from=args.init_from")
 
 
 def test_resume_of_a_finished_run_reports_it_without_training(offline_main, tmp_path, capsys):
