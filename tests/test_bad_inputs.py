@@ -129,7 +129,7 @@ CASES = [
     C("infer-run-without-record", "infer", "--run empty_run --prompt hi", 2, "checkpoints.jsonl not found"),
     C("infer-run-torn-record-only", "infer", "--run torn_run --prompt hi", 2, "no checkpoint yet"),
     C("infer-old-checkpoints-command", "infer", "checkpoints list --run r", 2,
-      "is now tinker_checkpoints.py; next: python "),
+      "is now tinker_checkpoints.py; next: "),
     C("pricing-sft-data-missing", "pricing", "estimate-sft --data nope.jsonl --tokenizer {tok} --json", 2,
       "nope.jsonl"),
     C("pricing-sft-data-not-utf8", "pricing", "estimate-sft --data latin1.jsonl --tokenizer {tok} --json", 2,

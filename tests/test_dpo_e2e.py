@@ -155,7 +155,7 @@ def test_the_rehearsal_preset_learns_the_built_in_pairs_and_prints_a_next_comman
     argv = shlex.split(printed)
     if "run" in argv and "--" in argv:  # the launcher wrapper starts its own server: run its command on ours
         argv = argv[argv.index("--") + 1:]
-    assert argv[:4] == ["python", str(ROOT / "scripts" / "tinker_infer.py"), "--run", "runs/dpo-rehearsal"], printed
+    assert argv[:4] == [sys.executable, str(ROOT / "scripts" / "tinker_infer.py"), "--run", "runs/dpo-rehearsal"], printed
     sampled = subprocess.run([sys.executable, *argv[1:], "--max-tokens", "4"], capture_output=True, text=True,
                              env=local_tinker.env, cwd=tmp_path, timeout=600)
     assert sampled.returncode == 0, sampled.stderr[-3000:]

@@ -1,6 +1,8 @@
 """tinker_infer.py and tinker_checkpoints.py offline: argument validation, checkpoint-kind errors, run records,
 template kwargs, the dry run, and the old `tinker_infer.py checkpoints` spelling."""
 import json
+import shlex
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -405,7 +407,8 @@ def test_the_old_checkpoints_command_exits_2_naming_the_command_that_replaced_it
     monkeypatch.delenv("TINKER_LOCAL_LAUNCHER", raising=False)
     code, result = run(capsys, *argv)
     assert (code, result["status"], result["exit_code"]) == (2, "error", 2)
-    assert result["error"].startswith("`tinker_infer.py checkpoints` is now tinker_checkpoints.py; next: python ")
+    assert result["error"].startswith("`tinker_infer.py checkpoints` is now tinker_checkpoints.py; next: "
+                                      f"{shlex.quote(sys.executable)} ")
     assert result["error"].endswith(replacement)
 
 

@@ -151,7 +151,8 @@ def test_a_run_refused_by_max_usd_leaves_the_previous_run_byte_identical(fake_ti
     log = tmp_path / "run"
     assert fake_tinker.run("--iterations", "2", "--save-every", "1", "--log-path", str(log)) == 0
     before = snapshot(log)
-    assert set(before) == {"config.json", "metrics.jsonl", "checkpoints.jsonl", "rollouts.jsonl"}
+    # report.html: the end summary writes the run's report (tinker_report.py is beside the script)
+    assert set(before) == {"config.json", "metrics.jsonl", "checkpoints.jsonl", "rollouts.jsonl", "report.html"}
     capsys.readouterr()
     assert fake_tinker.run("--iterations", "2", "--log-path", str(log), "--overwrite", "--max-usd", "0.000001") == 3
     assert "exceeds --max-usd" in capsys.readouterr().err
