@@ -930,9 +930,11 @@ def script_folder() -> str:
     return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
 
-def this_command() -> str:
-    """The command line that started this script, as the user typed it, under this interpreter."""
-    return python_command(*sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+def this_command(argv=None) -> str:
+    """The command line that started this script (or `argv`, an edited copy of it), as the user typed it, under
+    this interpreter."""
+    argv = sys.argv if argv is None else argv
+    return python_command(*argv) if argv and argv[0].endswith(".py") else "<this command>"
 
 
 def local_hint() -> str:
@@ -1729,11 +1731,7 @@ def edited_command(sets: dict, drop=()) -> str:
         i += 1
     for flag, value in todo.items():
         out += [flag] if value is None else [flag, str(value)]
-    saved, sys.argv = sys.argv, [argv[0], *out]
-    try:
-        return under_launcher(this_command())
-    finally:
-        sys.argv = saved
+    return under_launcher(this_command([argv[0], *out]))
 
 
 def now_iso() -> str:
@@ -2521,7 +2519,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 2f726e4d0f0c) ====
+# ==== END SHARED CODE (sha256 bb5787156869) ====
 
 
 if __name__ == "__main__":

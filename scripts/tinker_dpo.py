@@ -801,9 +801,11 @@ def script_folder() -> str:
     return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
 
-def this_command() -> str:
-    """The command line that started this script, as the user typed it, under this interpreter."""
-    return python_command(*sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+def this_command(argv=None) -> str:
+    """The command line that started this script (or `argv`, an edited copy of it), as the user typed it, under
+    this interpreter."""
+    argv = sys.argv if argv is None else argv
+    return python_command(*argv) if argv and argv[0].endswith(".py") else "<this command>"
 
 
 def local_hint() -> str:
@@ -1641,11 +1643,7 @@ def edited_command(sets: dict, drop=()) -> str:
         i += 1
     for flag, value in todo.items():
         out += [flag] if value is None else [flag, str(value)]
-    saved, sys.argv = sys.argv, [argv[0], *out]
-    try:
-        return under_launcher(this_command())
-    finally:
-        sys.argv = saved
+    return under_launcher(this_command([argv[0], *out]))
 
 
 def now_iso() -> str:
@@ -2345,7 +2343,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
-# ==== END SHARED CODE (sha256 19b4300f7304) ====
+# ==== END SHARED CODE (sha256 8eafaef7b974) ====
 
 
 if __name__ == "__main__":

@@ -404,9 +404,11 @@ def script_folder() -> str:
     return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
 
-def this_command() -> str:
-    """The command line that started this script, as the user typed it, under this interpreter."""
-    return python_command(*sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+def this_command(argv=None) -> str:
+    """The command line that started this script (or `argv`, an edited copy of it), as the user typed it, under
+    this interpreter."""
+    argv = sys.argv if argv is None else argv
+    return python_command(*argv) if argv and argv[0].endswith(".py") else "<this command>"
 
 
 def local_hint() -> str:
@@ -1154,11 +1156,7 @@ def edited_command(sets: dict, drop=()) -> str:
         i += 1
     for flag, value in todo.items():
         out += [flag] if value is None else [flag, str(value)]
-    saved, sys.argv = sys.argv, [argv[0], *out]
-    try:
-        return under_launcher(this_command())
-    finally:
-        sys.argv = saved
+    return under_launcher(this_command([argv[0], *out]))
 
 
 def now_iso() -> str:
@@ -1940,7 +1938,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 5ca92a4573a2) ====
+# ==== END SHARED CODE (sha256 14617afcd52f) ====
 
 
 if __name__ == "__main__":

@@ -759,9 +759,8 @@ def iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds,
 
 def print_outcome(args, job, run, rewards, final, usd):
     """A few lines a newcomer can read, as tinker_sft.py ends: what trained, how the reward moved, where it is."""
-    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("reward_mean"), (int, float))]
-    q = max(1, len(rows) // 4)
-    head, tail = (sum(r["reward_mean"] for r in part) / len(part) for part in (rows[:q], rows[-q:])) if rows else (0, 0)
+    q = max(1, len(rewards) // 4)  # rewards: every iteration's reward_mean, the resumed-from ones included
+    head, tail = (sum(part) / len(part) for part in (rewards[:q], rewards[-q:])) if rewards else (0, 0)
     start = f"from {args.init_from}" if args.init_from else f"a new LoRA (rank {args.lora_rank})"
     lines = ["", "==== what happened ====",
              f"trained  {model_label(args.model_name)}, {start}: {args.iterations} iterations of {args.batch_size} "
@@ -1157,9 +1156,11 @@ def script_folder() -> str:
     return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
 
-def this_command() -> str:
-    """The command line that started this script, as the user typed it, under this interpreter."""
-    return python_command(*sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+def this_command(argv=None) -> str:
+    """The command line that started this script (or `argv`, an edited copy of it), as the user typed it, under
+    this interpreter."""
+    argv = sys.argv if argv is None else argv
+    return python_command(*argv) if argv and argv[0].endswith(".py") else "<this command>"
 
 
 def local_hint() -> str:
@@ -1782,11 +1783,7 @@ def edited_command(sets: dict, drop=()) -> str:
         i += 1
     for flag, value in todo.items():
         out += [flag] if value is None else [flag, str(value)]
-    saved, sys.argv = sys.argv, [argv[0], *out]
-    try:
-        return under_launcher(this_command())
-    finally:
-        sys.argv = saved
+    return under_launcher(this_command([argv[0], *out]))
 
 
 def now_iso() -> str:
@@ -3070,7 +3067,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 b9a175eb83d0) ====
+# ==== END SHARED CODE (sha256 1a43beec5071) ====
 
 
 if __name__ == "__main__":

@@ -1013,9 +1013,11 @@ def script_folder() -> str:
     return os.path.dirname(typed) if typed and Path(typed).resolve() == here else short_path(here.parent)
 
 
-def this_command() -> str:
-    """The command line that started this script, as the user typed it, under this interpreter."""
-    return python_command(*sys.argv) if sys.argv and sys.argv[0].endswith(".py") else "<this command>"
+def this_command(argv=None) -> str:
+    """The command line that started this script (or `argv`, an edited copy of it), as the user typed it, under
+    this interpreter."""
+    argv = sys.argv if argv is None else argv
+    return python_command(*argv) if argv and argv[0].endswith(".py") else "<this command>"
 
 
 def local_hint() -> str:
@@ -2290,11 +2292,7 @@ def edited_command(sets: dict, drop=()) -> str:
         i += 1
     for flag, value in todo.items():
         out += [flag] if value is None else [flag, str(value)]
-    saved, sys.argv = sys.argv, [argv[0], *out]
-    try:
-        return under_launcher(this_command())
-    finally:
-        sys.argv = saved
+    return under_launcher(this_command([argv[0], *out]))
 
 
 def now_iso() -> str:
@@ -3061,7 +3059,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
-# ==== END SHARED CODE (sha256 563325398e1a) ====
+# ==== END SHARED CODE (sha256 cadf2f25b83a) ====
 
 
 if __name__ == "__main__":
