@@ -479,18 +479,19 @@ def complete_adapter(folder: Path, *, peft: bool, fix: str) -> dict:
             rename_safetensors(weights_file, names)
             shapes = {names[k]: s for k, s in shapes.items()}
             say(f"Tinker's names mapped to Hugging Face's (hf_key()): {', '.join(renamed)}")
-        ranks = sorted({s[0] for k, s in shapes.items() if k.endswith((".lora_A.weight", ".lora_embedding_A"))})
-        if len(ranks) != 1:
-            raise DataError(f"--peft: the adapter's LoRA ranks differ between modules ({ranks}); {fix}")
-        config["r"] = ranks[0]
-        config["peft_type"] = config.get("peft_type") or "LORA"
-        config["task_type"] = config.get("task_type") or "CAUSAL_LM"
     targets = adapter_target_modules(shapes)
     if not targets:
         if peft:
             raise DataError(f"--peft: {weights_file.name} holds no lora_A/lora_B tensors; expected a LoRA adapter")
         say(f"warning: {weights_file.name} holds no lora_A/lora_B tensors; adapter_config.json left as it was")
         return {"target_modules": config.get("target_modules"), "peft_ready": False, "renamed": []}
+    if peft:
+        ranks = sorted({s[0] for k, s in shapes.items() if k.endswith((".lora_A.weight", ".lora_embedding_A"))})
+        if len(ranks) != 1:
+            raise DataError(f"--peft: the adapter's LoRA ranks differ between modules ({ranks}); {fix}")
+        config["r"] = ranks[0]
+        config["peft_type"] = config.get("peft_type") or "LORA"
+        config["task_type"] = config.get("task_type") or "CAUSAL_LM"
     declared = config.get("target_modules")
     config["target_modules"] = targets
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
