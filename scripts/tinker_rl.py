@@ -186,6 +186,8 @@ def parse_args(argv=None):
         args.reward = "own"
     elif args.env == name and edit_me("REHEARSAL_TURNS") is not None:
         args.reward = "own"  # a scripted rehearsal: your env_step()/reward() on scripted and sampled episodes
+    elif (args.env != name or env_step is not None) and args.init_from and real_stand_in():
+        args.reward = "own"  # the real model after a tool-call warm-up (SFT) calls the tool: your env_step() trains
     elif args.env != name or env_step is not None:
         args.reward = "stand-in"  # multi-turn: the rehearsal scores the shipped environment's answers
     else:  # "auto" samples before the budget check: only where sampling is free (the local backend)
@@ -783,8 +785,9 @@ def progress_line(it, total, row):
     kl = row.get("kl_sample_train_v1")
     return (f"iter {it + 1}/{total} | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | "
             f"tied {row['frac_groups_tied']:.2f} | trunc {row['frac_truncated']:.2f} | "
-            f"loss {row.get('loss_sum') if row.get('loss_sum') is not None else float('nan'):.4g} | "
-            f"kl {kl if kl is not None else float('nan'):.2e} | sample {row['seconds_sampling']:.1f}s | "
+            + (f"loss {row['loss_sum']:.4g} | kl {kl if kl is not None else float('nan'):.2e} | "
+               if row.get("loss_sum") is not None else "not trained (no datums: every group tied) | ")
+            + f"sample {row['seconds_sampling']:.1f}s | "
             f"train {row['seconds_training']:.1f}s")
 
 
@@ -908,6 +911,11 @@ def load_env(name, rehearse=False, reward_source="stand-in", flag="on"):
             "the rest are sampled; your " + ("env_step() and reward()" if env["env_step"] else "reward()")
             + " score every episode and train; --rehearse off trains as written")
         return dict(env, scripted_turns=scripted)
+    if reward_source == "own" and env["env_step"] is not None:  # the real model from a tool-call warm-up
+        say(f"rehearsal ({mode}): {name} episodes, scored and stepped by its own env_step() and reward(), from "
+            "the --init-from checkpoint (a tool-call warm-up: references/agentic-rl.md); metrics.jsonl counts "
+            "what env_step() reports (env/<key>); --rehearse off trains with your settings")
+        return env
     if reward_source in ("own", "auto") and env["env_step"] is None:
         say(f"rehearsal ({mode}): your TASKS and reward() with "
             "the rehearsal's settings" + (" if the first samples score differently under it, else a stand-in task"

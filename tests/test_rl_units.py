@@ -732,3 +732,12 @@ def test_every_reasoning_model_in_the_catalogue_gets_room_to_think():
     assert "moonshotai/Kimi-K2.6" in reasoning and "openai/gpt-oss-20b" in reasoning
     for name in reasoning:
         assert any(k.lower() in name.lower() for k in tinker_rl.REASONING_MODELS), name
+
+
+def test_an_iteration_with_every_group_tied_says_it_did_not_train_instead_of_printing_nan():
+    row = {"reward_mean": 0.15, "reward_std": 0.09, "frac_groups_tied": 1.0, "frac_truncated": 0.0,
+           "seconds_sampling": 3.0, "seconds_training": 0.0, "datums": 0}
+    line = tinker_rl.progress_line(7, 10, row)
+    assert "not trained (no datums: every group tied)" in line and "nan" not in line
+    trained = tinker_rl.progress_line(7, 10, dict(row, loss_sum=-1.5, kl_sample_train_v1=2e-7, datums=8))
+    assert "loss -1.5 | kl 2.00e-07" in trained and "not trained" not in trained
