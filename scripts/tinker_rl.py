@@ -98,7 +98,12 @@ REHEARSAL_SETTINGS = dict(learning_rate=1e-2, iterations=5, batch_size=2, group_
                           temperature=1.2, max_turns=2, on_truncation="continue", lora_rank=8, save_every=0)
 # Rehearsing your own reward from a checkpoint (--init-from, e.g. an SFT rehearsal's): room for the answers
 # it was trained on, sampled as a trained policy is.
-REHEARSAL_FROM_CHECKPOINT = dict(max_tokens=32, temperature=1.0)
+# On the real model (`tinker_local.py run --real`): room for a tool call (SmolLM2 writes the calculator's in ~35
+# tokens) and a rate that keeps its replies fluent (measured 2026-12-07, from SFT rehearsals on a help-desk set:
+# at 4e-4 and 1e-3 the replies drift into repeated words within 8-12 iterations; 2e-4 stays fluent).
+REHEARSAL_FROM_CHECKPOINT = {"tiny": dict(max_tokens=32, temperature=1.0),
+                             "real": dict(max_tokens=48, temperature=1.0, learning_rate=2e-4, iterations=4,
+                                          batch_size=4, group_size=4)}
 # A resumed run must match these settings (and the format); config.json keeps the original ones.
 RESUME_KEYS = ("env", "rehearse", "model_name", "lora_rank", "train_unembed", "learning_rate", "loss_fn",
                "loss_fn_config", "batch_size", "group_size", "max_tokens", "temperature", "max_turns", "on_truncation",
@@ -175,7 +180,7 @@ def parse_args(argv=None):
     args.rehearse_flag = args.rehearse
     args.rehearse = args.rehearse == "on" or (args.rehearse == "auto" and on_local_backend())
     if args.rehearse:  # the rehearsal's settings, for every flag not given on the command line
-        p.set_defaults(**{**REHEARSAL_SETTINGS, **(REHEARSAL_FROM_CHECKPOINT if args.init_from else {})})
+        p.set_defaults(**{**REHEARSAL_SETTINGS, **(preset(REHEARSAL_FROM_CHECKPOINT) if args.init_from else {})})
         args = p.parse_args(argv)
         args.rehearse_flag, args.rehearse = args.rehearse, True
     if args.env == "single":
@@ -1025,6 +1030,11 @@ def stand_in_cost_note() -> str:
     """What a rehearsal's dollar figure means: on the real model the tokens were counted by its tokenizer."""
     return ("; counted in SmolLM2's tokens, which differ from the named model's: a --dry-run without --real counts "
             "those" if real_stand_in() else "")
+
+
+def preset(presets: dict) -> dict:
+    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]."""
+    return dict(presets["real" if real_stand_in() else "tiny"])
 
 
 # ---- common/errors.py ----
@@ -3075,7 +3085,7 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-# ==== END SHARED CODE (sha256 1a43beec5071) ====
+# ==== END SHARED CODE (sha256 4cedcc11ab6a) ====
 
 
 if __name__ == "__main__":

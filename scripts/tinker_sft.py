@@ -211,7 +211,7 @@ def train_run(args, run):
     # 1. Data: read, validate, split, render and mask. Bad data stops here (exit 2), before any call.
     job = prepare(args)
     if args.rehearse:
-        check_masks(job)  # a wrong loss mask fails the rehearsal before anything is trained
+        check_masks(job, args.train_on)  # a wrong loss mask fails the rehearsal before anything is trained
 
     # 2. The context window (from Tinker, or the price catalogue for --dry-run), then the plan and its cost.
     service, context = (None, catalogue_context(args.model_name)) if args.dry_run else connect(args.model_name)
@@ -397,13 +397,21 @@ def prepare(args):
                test_pairs=render_all(test, tokenizer, fmt, args.train_on, cache_dir=cache))
 
 
-def check_masks(job):
+def check_masks(job, train_on="last-assistant"):
     """Rehearsal check 1: every training datum trains exactly one assistant answer (after its reasoning, when
-    the message has reasoning_content) and the end-of-turn token."""
+    the message has reasoning_content) and the end-of-turn token; with --train-on all-assistant, each assistant
+    turn of the conversation in order, each ending in the end-of-turn token."""
     stop = job.tokenizer.decode(job.fmt["stop"][:1])
     by_line = {ex["line"]: ex for ex in job.train_examples}
     for line, r in job.train_pairs:
         spans = weighted_spans(job.tokenizer, r)
+        if train_on == "all-assistant":
+            answers = [a for a, _ in trained_answers(by_line[line])]
+            if len(spans) == len(answers) and all(t.endswith(stop) and t[: -len(stop)].strip().endswith(a)
+                                                  for t, a in zip(spans, answers)):
+                continue
+            raise ScriptError(f"rehearsal check failed: the loss mask of {example_where(by_line[line])} trains "
+                              f"{spans!r}, expected its {len(answers)} assistant turns, each followed by {stop!r}")
         trained = spans[0][: -len(stop)].strip() if len(spans) == 1 and spans[0].endswith(stop) else None
         if trained is None or not r.weights[-1] or not any(
                 trained == answer or (reasoning and trained.endswith(answer) and reasoning in trained)
