@@ -68,10 +68,10 @@ def test_after_a_tool_call_warm_up_the_rl_rehearsal_reaches_the_environments_own
     warm = tmp_path / "runs" / "tool-warmup"
     out, sft = run_script("tinker_sft.py", [
         "--rehearse", "--data", str(ROOT / "templates" / "sft_tool_warmup.jsonl"), "--train-on", "all-assistant",
-        "--max-steps", "12", "--log-path", str(warm)], local_real_tinker.env, tmp_path)
+        "--max-steps", "8", "--log-path", str(warm)], local_real_tinker.env, tmp_path)
     assert out.returncode == 0 and sft["status"] == "ok", out.stderr[-3000:]
     log = tmp_path / "runs" / "rl-tools"
-    out, report = run_script("tinker_rl.py", ["--env", "calculator", "--init-from", sft["state_path"],
+    out, report = run_script("tinker_rl.py", ["--env", "calculator", "--init-from", sft["state_path"], "--iterations", "2",
                                               "--log-path", str(log)], local_real_tinker.env, tmp_path)
     assert out.returncode == 0 and report["status"] == "ok", out.stderr[-3000:]
     assert "scored and stepped by its own env_step() and reward()" in out.stderr
