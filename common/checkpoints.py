@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from errors import AccessError, DataError, ScriptError, one_line, script_command  # splice: drop
-from run_record import Run  # splice: drop
+from run_record import Run, edited_command  # splice: drop
 from service import check_reachable, require_credentials, rest_client, service_url  # splice: drop
 
 CHECKPOINT_SEGMENTS = ("weights", "sampler_weights", "external_weights")
@@ -35,17 +35,18 @@ def run_checkpoints(run_id: str) -> list:
     return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
 
 
-def check_sampler_path(path: str) -> None:
-    """A weights/ or external_weights/ path cannot be sampled: DataError naming the path that can."""
+def check_sampler_path(path: str, flag: str = "--model") -> None:
+    """A weights/ or external_weights/ path cannot be sampled: DataError naming the path that can, as this
+    command with `flag` (the flag that gave `path`) set to it."""
     run, segment, name = parse_tinker_path(path)
     if segment == "sampler_weights":
         return
     samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
     same_name = f"tinker://{run}/sampler_weights/{name}"
     if same_name in samplers:
-        hint = f"sample the same run's sampler path: --model {same_name}"
+        hint = f"sample the same run's sampler path; next: {edited_command({flag: same_name})}"
     elif samplers:
-        hint = f"this run's newest sampler path is {samplers[0]}; pass it as --model"
+        hint = f"this run's newest sampler path is {samplers[0]}; next: {edited_command({flag: samplers[0]})}"
     else:
         hint = ("save one with training_client.save_weights_for_sampler(name) and pass its "
                 "tinker://.../sampler_weights/... path")

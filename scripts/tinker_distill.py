@@ -320,7 +320,7 @@ def train_run(args, student, teacher, prompt_lengths, run):
               "reverse_kl": {"first": curve[0] if curve else None, "last": curve[-1] if curve else None},
               "teacher": teacher.record(), "format": student.fmt,
               "sampling": {"model_path": final["sampler_path"], "stop": student.fmt["stop"],
-                           "hint": script_command("tinker_infer.py", "--run", run.path)}}
+                           "hint": script_command("tinker_infer.py", "--run", run.path, "--prompt", student.question)}}
     if args.rehearse:
         report["rehearsal"] = rehearsal_checks(run, report, args.iterations)
         report["estimate_usd"], report["seconds"] = config["estimate_usd"], round(time.monotonic() - started, 1)
@@ -399,7 +399,6 @@ def rehearsal_checks(run, report, iterations):
 def print_outcome(args, student, report):
     """A few lines a newcomer can read: what was distilled, how far it moved, where it is, what it costs."""
     log, usd = report["log_path"], report.get("estimate_usd")
-    question = REHEARSAL_QA[0][0] if args.rehearse and not args.prompts else None
     lines = ["", "==== what happened ====",
              f"distilled  {report['teacher']['teacher']} into a LoRA (rank {args.lora_rank}) on {args.model_name}: "
              f"{args.iterations} iterations of {args.batch_size} prompts x {args.group_size} samples x <= "
@@ -413,8 +412,7 @@ def print_outcome(args, student, report):
               "estimate above; the rehearsal teacher's own training is not in it)" if usd is not None
               else "on Tinker: no dollar estimate "
                    f"({no_estimate_reason(args.model_name, report['teacher']['base_model'])})",
-              "next     sample it: " + (script_command("tinker_infer.py", "--run", log, "--prompt", question) if question
-                                        else script_command("tinker_infer.py", "--run", log)),
+              "next     sample it: " + script_command("tinker_infer.py", "--run", log, "--prompt", student.question),
               f"took     {report['seconds']:.0f} s"]
     page = write_report(log)
     if page:
@@ -512,6 +510,7 @@ class Student:
     tokenizer: object
     fmt: dict
     prompts: list  # rendered prompt token ids, one per prompt
+    question: str = "Hello"  # the --prompt of the printed sample command: the first prompt's last user message
 
 
 @dataclasses.dataclass
@@ -569,7 +568,10 @@ def prepare_student(args):
         if isinstance(prompt, list):
             validate_messages(prompt, f"prompt {i}", need_assistant=False)
         rendered.append(generation_prompt(prompt, tokenizer, fmt))
-    return Student(tokenizer, fmt, rendered)
+    first = prompts[0]
+    question = first if isinstance(first, str) else next(
+        (m["content"] for m in reversed(first) if m.get("role") == "user" and isinstance(m.get("content"), str)), "Hello")
+    return Student(tokenizer, fmt, rendered, question)
 
 
 def describe_teacher(args):

@@ -111,7 +111,11 @@ def evaluate_run(argv) -> int:
     examples = normalise_items(read_jsonl(args.data))[: args.limit]
     sampler_path, fmt = run_format(args.run)
     checkpoint = args.checkpoint or sampler_path
-    check_sampler_path(checkpoint)
+    if not checkpoint.startswith("tinker://"):
+        raise DataError(f"--checkpoint {checkpoint} is not a tinker:// path; expected "
+                        f"tinker://RUN_ID/sampler_weights/NAME; next: "
+                        + script_command("tinker_checkpoints.py", "list", "--run", args.run))
+    check_sampler_path(checkpoint, "--checkpoint")
     base = Run(args.run).config().get("model_name")
     if not base:
         raise DataError(f"{args.run}/config.json names no model_name; expected the folder a training script wrote")
@@ -1685,17 +1689,18 @@ def run_checkpoints(run_id: str) -> list:
     return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
 
 
-def check_sampler_path(path: str) -> None:
-    """A weights/ or external_weights/ path cannot be sampled: DataError naming the path that can."""
+def check_sampler_path(path: str, flag: str = "--model") -> None:
+    """A weights/ or external_weights/ path cannot be sampled: DataError naming the path that can, as this
+    command with `flag` (the flag that gave `path`) set to it."""
     run, segment, name = parse_tinker_path(path)
     if segment == "sampler_weights":
         return
     samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
     same_name = f"tinker://{run}/sampler_weights/{name}"
     if same_name in samplers:
-        hint = f"sample the same run's sampler path: --model {same_name}"
+        hint = f"sample the same run's sampler path; next: {edited_command({flag: same_name})}"
     elif samplers:
-        hint = f"this run's newest sampler path is {samplers[0]}; pass it as --model"
+        hint = f"this run's newest sampler path is {samplers[0]}; next: {edited_command({flag: samplers[0]})}"
     else:
         hint = ("save one with training_client.save_weights_for_sampler(name) and pass its "
                 "tinker://.../sampler_weights/... path")
@@ -1938,7 +1943,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 14617afcd52f) ====
+# ==== END SHARED CODE (sha256 fd6bcb0d12b3) ====
 
 
 if __name__ == "__main__":

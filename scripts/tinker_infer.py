@@ -1975,17 +1975,18 @@ def run_checkpoints(run_id: str) -> list:
     return sorted(listing.checkpoints, key=lambda c: c.time, reverse=True)
 
 
-def check_sampler_path(path: str) -> None:
-    """A weights/ or external_weights/ path cannot be sampled: DataError naming the path that can."""
+def check_sampler_path(path: str, flag: str = "--model") -> None:
+    """A weights/ or external_weights/ path cannot be sampled: DataError naming the path that can, as this
+    command with `flag` (the flag that gave `path`) set to it."""
     run, segment, name = parse_tinker_path(path)
     if segment == "sampler_weights":
         return
     samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
     same_name = f"tinker://{run}/sampler_weights/{name}"
     if same_name in samplers:
-        hint = f"sample the same run's sampler path: --model {same_name}"
+        hint = f"sample the same run's sampler path; next: {edited_command({flag: same_name})}"
     elif samplers:
-        hint = f"this run's newest sampler path is {samplers[0]}; pass it as --model"
+        hint = f"this run's newest sampler path is {samplers[0]}; next: {edited_command({flag: samplers[0]})}"
     else:
         hint = ("save one with training_client.save_weights_for_sampler(name) and pass its "
                 "tinker://.../sampler_weights/... path")
@@ -2267,7 +2268,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 454899c85542) ====
+# ==== END SHARED CODE (sha256 150eeb2cfef8) ====
 
 
 if __name__ == "__main__":

@@ -669,13 +669,19 @@ def result_record(status, run, job, final):
         "tokens": {"model_input": job.summary["tokens"]["model_input"], "trained": job.summary["tokens"]["trained"]},
         "format": job.fmt,
         "sampling": {"model_path": sampler, "stop": job.fmt["stop"],
-                     "hint": f"{script_command('tinker_infer.py', '--run', run.path)} (renders prompts in this run's "
-                             "format, with its system prompt, greedy)"},
+                     "hint": script_command("tinker_infer.py", "--run", run.path, "--prompt", sample_prompt(probes, job)),
+                     "hint_note": "renders the prompt in this run's format, with its system prompt, greedy"},
     }
     scores = [(r["when"], r["step"], r["score"]) for r in evals if "score" in r]
     if scores:
         record["score"] = [{"when": w, "step": s, "score": v} for w, s, v in scores]
     return record
+
+
+def sample_prompt(probes, job):
+    """The --prompt of the printed sample command: the first probe's, else the first training example's question."""
+    prompts = [p["prompt"] for p in probes or probe_prompts(job.train_examples, job, 1)]
+    return prompts[0] if prompts and isinstance(prompts[0], str) else "Hello"
 
 
 def print_outcome(args, job, report):
@@ -702,8 +708,7 @@ def print_outcome(args, job, report):
               f"on Tinker this run would cost about ${usd:.4f} ({args.model_name}, the estimate above{stand_in_cost_note()})"
               if usd is not None
               else f"on Tinker: no dollar estimate ({no_estimate_reason(args.model_name)})",
-              "next     sample it: " + script_command("tinker_infer.py", "--run", log, "--prompt",
-                                                     ev["probes"][0]["prompt"] if ev["probes"] else "Hello"),
+              "next     sample it: " + report["sampling"]["hint"],
               f"took     {report.get('seconds', 0):.0f} s"]
     page = write_report(log)
     if page:

@@ -8,25 +8,28 @@ Copy this file to your project's tests/ folder, next to your copies of tinker_sf
 
 Run:
     python -m pytest -m "not integration"     # offline: your reward() on known answers
-    # two steps of each script on the free local backend (tiny random model, CPU; bundle's scripts/):
-    python PATH/TO/tinker_local.py run -- python -m pytest -m integration
+    # two steps of each script on the free local backend (tiny random model, CPU; tinker_local.py and
+    # tinker_local_server.py copied from the bundle's scripts/ beside your scripts):
+    python tinker_local.py run -- python -m pytest -m integration
     # the same two steps on hosted Tinker, opt-in because it is paid (a fraction of a cent on Qwen3-8B):
     TINKER_SMOKE_PAID=1 TINKER_API_KEY=tml-... python -m pytest -m integration
 
 Without a backend (no TINKER_API_KEY, or a TINKER_BASE_URL that does not answer) the integration tests
-are skipped and say how to run them; with a hosted key they are skipped unless TINKER_SMOKE_PAID=1.
+are skipped and say how to run them (the command with this interpreter and SCRIPTS' real path, as printed
+it runs); with a hosted key they are skipped unless TINKER_SMOKE_PAID=1.
 What the local backend proves: your copy of the scripts, your data file and the SDK calls run end to
 end, checkpoints are saved and recorded. It does not prove learning (a tiny random model stands in),
 and on the local backend tinker_rl.py --rehearse auto trains its stand-in task instead of TASKS and
 reward(): test_reward_scores_known_completions covers your reward() instead.
 
-CI (GitHub Actions, say): `python PATH/TO/tinker_local.py setup` once (cache TINKER_LOCAL_HOME and
+CI (GitHub Actions, say): `python tinker_local.py setup` once (cache TINKER_LOCAL_HOME and
 TINKER_LOCAL_VENV between runs), then the `tinker_local.py run -- python -m pytest -m integration` line.
 """
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import urllib.request
@@ -45,16 +48,26 @@ REWARD_CASES = [  # (task, completion, expected reward) for your reward() in tin
 MAX_USD = 0.5  # a paid smoke run stops before its first step above this (needs tinker_pricing.py beside)
 
 
+def launcher(*args: str) -> str:
+    """How to run `tinker_local.py ARGS`, to paste as printed: this interpreter and the launcher beside SCRIPTS
+    (first copied there, with tinker_local_server.py, from the bundle's scripts/ folder when it is not yet)."""
+    command = f"`{shlex.join([sys.executable, str(SCRIPTS / 'tinker_local.py'), *args])}`"
+    if (SCRIPTS / "tinker_local.py").exists():
+        return f"run {command}"
+    return (f"copy tinker_local.py and tinker_local_server.py from the tinker-training-inference bundle's scripts/ "
+            f"folder into {SCRIPTS}, then run {command}")
+
+
 def backend_env() -> dict:
     """The environment of a run, or a skip that says how to get a backend."""
     key, base = os.environ.get("TINKER_API_KEY"), os.environ.get("TINKER_BASE_URL", "")
     local = base.startswith(("http://127.0.0.1", "http://localhost"))
     if not key:
-        pytest.skip("no TINKER_API_KEY: run `python PATH/TO/tinker_local.py run -- python -m pytest -m "
-                    "integration` (free), or export TINKER_API_KEY=tml-... and TINKER_SMOKE_PAID=1 (paid)")
+        pytest.skip(f"no TINKER_API_KEY: {launcher('run', '--', sys.executable, '-m', 'pytest', '-m', 'integration')} "
+                    "(free), or export TINKER_API_KEY=tml-... and TINKER_SMOKE_PAID=1 (paid)")
     if not local and os.environ.get("TINKER_SMOKE_PAID") != "1":
         pytest.skip("TINKER_API_KEY points at hosted Tinker, which bills these steps: set TINKER_SMOKE_PAID=1, "
-                    "or run under `python PATH/TO/tinker_local.py run --` for free")
+                    f"or, for free, {launcher('run', '--', sys.executable, '-m', 'pytest', '-m', 'integration')}")
     if not local and not (SCRIPTS / "tinker_pricing.py").exists():
         pytest.skip("a paid smoke run needs tinker_pricing.py beside the scripts, so --max-usd can stop it "
                     f"above ${MAX_USD}: copy it from the bundle's scripts/")
@@ -62,7 +75,7 @@ def backend_env() -> dict:
         try:
             urllib.request.urlopen(base.rstrip("/") + "/api/v1/healthz", timeout=5).close()
         except OSError as e:
-            pytest.skip(f"TINKER_BASE_URL={base} does not answer ({e}): start `python PATH/TO/tinker_local.py serve`")
+            pytest.skip(f"TINKER_BASE_URL={base} does not answer ({e}): {launcher('serve')}")
     return dict(os.environ)
 
 

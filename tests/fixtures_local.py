@@ -38,7 +38,7 @@ import pytest
 import tinker_local
 
 __all__ = ["LocalTinker", "local_backend_install", "real_engines", "local_tinker", "local_real_tinker",
-           "local_real_sft_run", "local_sft_run", "local_rl_run",
+           "local_real_sft_run", "local_sft_run", "local_rl_run", "local_dpo_rehearsal",
            "close_service_clients_made_by_the_test", "close_service_clients_made_by_the_module"]
 ROOT = Path(__file__).resolve().parent.parent
 # The last lines of a `python -c` program that uses the SDK: end through common/errors.exit_process, as the
@@ -289,5 +289,20 @@ def local_rl_run(local_tinker, tmp_path_factory) -> Path:
          "--learning-rate", "0.003", "--seed", "0", "--log-path", str(log)],
         capture_output=True, text=True, env={**os.environ, **local_tinker.env}, timeout=900, cwd=log.parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
+    record_output(log, out)
+    return log
+
+
+@pytest.fixture(scope="session")
+def local_dpo_rehearsal(local_tinker, tmp_path_factory) -> Path:
+    """A finished DPO rehearsal folder (`tinker_dpo.py --rehearse`, the preset: the built-in pairs, 10 full-batch
+    steps), run once per session from the folder above runs/ (runs/dpo-rehearsal, as the preset names it) and
+    shared by the tests of what it learnt and of what it printed (fixture_output). Never write into it."""
+    cwd = tmp_path_factory.mktemp("local_dpo_rehearsal")
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_dpo.py"), "--rehearse", "--tokenizer",
+                          str(local_tinker.tokenizer_dir), "--model-name", local_tinker.model], capture_output=True,
+                         text=True, env={**os.environ, **local_tinker.env}, cwd=cwd, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = cwd / "runs" / "dpo-rehearsal"
     record_output(log, out)
     return log

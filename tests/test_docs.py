@@ -1187,6 +1187,16 @@ def test_no_line_gives_tml_as_the_only_credential_form():
     assert not wrong, "SDK 0.38 also takes JWTs and TINKER_CREDENTIAL_CMD:\n" + "\n".join(wrong)
 
 
+def test_no_doc_or_template_prints_a_path_to_placeholder():
+    """A command in the docs, and every one the template test file prints, names a real path (issue 44): a
+    `PATH/TO/...` placeholder fails when pasted."""
+    files = [*doc_files(), ROOT / "README.md", ROOT / "DEVELOPING.md", *sorted((ROOT / "templates").glob("*.py"))]
+    found = [f"{rel(path)}:{n}: {line.strip()[:100]}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if "PATH/TO" in line and "`PATH/TO`" not in line]
+    assert not found, "placeholders where a real path belongs:\n" + "\n".join(found)
+
+
 def test_developing_states_the_local_backends_adapter_slots():
     import tinker_local
 

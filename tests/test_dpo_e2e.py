@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from fixtures_local import fixture_output
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,40 +128,24 @@ def test_resume_of_a_finished_run_does_nothing_and_calls_nothing(full_run, local
 
 # ---- --rehearse on the local backend: the preset learns, checks pass, the printed next command runs ----
 
-def test_the_rehearsal_preset_learns_the_built_in_pairs_and_prints_a_next_command_that_runs(local_tinker, tmp_path):
+def test_the_rehearsal_preset_learns_the_built_in_pairs(local_dpo_rehearsal):
     """Measured (load ~5-6 on 2 shared cores): accuracy 0.00 -> 1.00 in 10 full-batch steps at lr 1e-3, the
-    policy's own preference 0.00 -> 1.00, margin -4e-7 -> +3.5; about 11 s of script wall time on a warm server."""
-    import shlex
-    import time
-
-    started = time.monotonic()
-    out = subprocess.run([sys.executable, str(SCRIPT), "--rehearse", "--tokenizer", str(local_tinker.tokenizer_dir),
-                          "--model-name", local_tinker.model], capture_output=True, text=True, env=local_tinker.env,
-                         cwd=tmp_path, timeout=1200)
-    took = time.monotonic() - started
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
+    policy's own preference 0.00 -> 1.00, margin -4e-7 -> +3.5; about 11 s of script wall time on a warm server.
+    Its printed next command is pasted as printed by tests/test_printed_commands.py."""
+    out = fixture_output(local_dpo_rehearsal)
+    result = json.loads(out["stdout"])
     assert result["status"] == "ok" and result["rehearsal"]["passed"], result["rehearsal"]
     assert [c["passed"] for c in result["rehearsal"]["checks"]] == [True] * 5
-    metrics = rows(tmp_path / "runs/dpo-rehearsal/metrics.jsonl")
+    metrics = rows(local_dpo_rehearsal / "metrics.jsonl")
     assert [r["pairs"] for r in metrics] == [4] * 10 and {r["learning_rate"] for r in metrics} == {1e-3}
     assert abs(metrics[0]["margin"]) < 1e-3 and metrics[-1]["accuracy"] >= 0.9 and metrics[-1]["margin"] > 0
     sys.stderr.write(f"\nDPO rehearsal: accuracy {metrics[0]['accuracy']:.2f} -> {metrics[-1]['accuracy']:.2f}, "
                      f"policy {metrics[0]['policy_accuracy']:.2f} -> {metrics[-1]['policy_accuracy']:.2f}, margin "
-                     f"{metrics[-1]['margin']:+.3f}, {took:.1f} s\n")
-    summary = out.stderr[out.stderr.index("==== what happened ===="):]
+                     f"{metrics[-1]['margin']:+.3f}, {result['seconds']:.1f} s\n")
+    summary = out["stderr"][out["stderr"].index("==== what happened ===="):]
     assert "from the built-in rehearsal pairs" in summary
     assert "on Tinker this run would cost about $" in summary
-    assert (tmp_path / "runs/dpo-rehearsal/report.html").is_file()
-    [printed] = [line.split("sample it: ", 1)[1] for line in summary.splitlines() if "next     sample it: " in line]
-    argv = shlex.split(printed)
-    if "run" in argv and "--" in argv:  # the launcher wrapper starts its own server: run its command on ours
-        argv = argv[argv.index("--") + 1:]
-    assert argv[:4] == [sys.executable, str(ROOT / "scripts" / "tinker_infer.py"), "--run", "runs/dpo-rehearsal"], printed
-    sampled = subprocess.run([sys.executable, *argv[1:], "--max-tokens", "4"], capture_output=True, text=True,
-                             env=local_tinker.env, cwd=tmp_path, timeout=600)
-    assert sampled.returncode == 0, sampled.stderr[-3000:]
-    assert json.loads(sampled.stdout)["model"] == result["sampler_path"]
+    assert (local_dpo_rehearsal / "report.html").is_file()
 
 
 def test_a_rehearsal_of_own_pairs_trains_them_in_one_full_batch(local_tinker, tmp_path):

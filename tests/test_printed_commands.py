@@ -135,6 +135,118 @@ def test_every_printed_next_command_runs_as_printed_with_no_venv_on_path(local_t
             assert json.loads(done.stdout.strip().splitlines()[-1])["status"] == "ok", (what, done.stdout[-2000:])
 
 
+def json_hints(obj) -> list[str]:
+    """Every "hint" field of a JSON result, at any depth: each is a command to paste."""
+    if isinstance(obj, dict):
+        return [v for k, v in obj.items() if k == "hint"] + [h for v in obj.values() for h in json_hints(v)]
+    return [h for v in obj for h in json_hints(v)] if isinstance(obj, list) else []
+
+
+def assert_pasted_sample_runs(what: str, command: str, cwd: Path, env: dict, sampler_path: str, question: str):
+    """`command` (a printed `tinker_infer.py --run LOG --prompt QUESTION`) pasted as printed samples the run's
+    final checkpoint: exit 0, one sample of the question."""
+    assert command.startswith(PY + " ") and "PATH/TO" not in command, (what, command)
+    words = shlex.split(command)
+    assert "tinker_infer.py" in command and words[-2:] == ["--prompt", question], (what, command)
+    done = paste(command, cwd, env)
+    assert done.returncode == 0, (what, command, done.stderr[-3000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (result["status"], result["model"]) == ("ok", sampler_path), (what, result)
+    assert len(result["samples"]) == 1 and result["samples"][0]["prompt_tokens"] > 0, (what, result["samples"])
+
+
+@pytest.mark.e2e
+def test_dpo_prints_a_sample_command_that_runs_as_printed(local_tinker, local_dpo_rehearsal):
+    out = fixture_output(local_dpo_rehearsal)
+    result = json.loads(out["stdout"].strip().splitlines()[-1])
+    import tinker_dpo
+
+    question = tinker_dpo.REHEARSAL_PAIRS[0]["prompt"]
+    printed = [next_line(out["stderr"], "next     sample it: "), *json_hints(result)]
+    for command in printed:
+        assert_pasted_sample_runs("dpo", command, local_dpo_rehearsal.parent.parent, local_tinker.env,
+                                  result["sampler_path"], question)
+
+
+DISTILL_PROMPT = "Name a colour."
+
+
+@pytest.fixture(scope="module")
+def short_distill_rehearsal(local_tinker, local_sft_run, tmp_path_factory):
+    """`tinker_distill.py --rehearse` on own prompts with the SFT fixture run as teacher, one iteration: the
+    shortest run that prints both the summary and the JSON result (one iteration cannot halve the reverse KL, so
+    the rehearsal's KL check fails: exit 1, status "failed"; the commands it prints must still run)."""
+    cwd = tmp_path_factory.mktemp("distill-printed")
+    prompts = cwd / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": DISTILL_PROMPT}]}) + "\n"
+                       + json.dumps({"messages": [{"role": "user", "content": "Name a fruit."}]}) + "\n")
+    out = subprocess.run([sys.executable, str(SCRIPTS / "tinker_distill.py"), "--rehearse", "--teacher",
+                          str(local_sft_run), "--prompts", "prompts.jsonl", "--iterations", "1", "--batch-size", "2",
+                          "--lora-rank", "8", "--tokenizer", str(local_tinker.tokenizer_dir), "--model-name",
+                          local_tinker.model], capture_output=True, text=True, env=local_tinker.env, cwd=cwd,
+                         timeout=900)
+    return cwd, out
+
+
+@pytest.mark.e2e
+def test_distill_prints_sample_commands_with_its_first_prompt_that_run_as_printed(local_tinker,
+                                                                                  short_distill_rehearsal):
+    cwd, out = short_distill_rehearsal
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 1 and result["status"] == "failed", out.stderr[-3000:]
+    assert [c["passed"] for c in result["rehearsal"]["checks"]] == [True, True, False], result["rehearsal"]
+    summary, hint = next_line(out.stderr, "next     sample it: "), *json_hints(result)
+    assert summary == hint, (summary, hint)  # one command: pasted once (each paste starts a server)
+    assert_pasted_sample_runs("distill", hint, cwd, local_tinker.env, result["sampler_path"], DISTILL_PROMPT)
+
+
+@pytest.mark.e2e
+def test_sft_json_hint_is_the_sample_command_of_its_summary(local_sft_run):
+    """The JSON hint is a command (its explanation in hint_note), the same one the summary prints, which
+    test_every_printed_next_command_runs_as_printed_with_no_venv_on_path pastes."""
+    out = fixture_output(local_sft_run)
+    result = json.loads(out["stdout"].strip().splitlines()[-1])
+    assert json_hints(result) == [next_line(out["stderr"], "next     sample it: ")], result["sampling"]
+    assert shlex.split(result["sampling"]["hint"])[-2] == "--prompt", result["sampling"]
+    assert "format" in result["sampling"]["hint_note"]
+
+
+@pytest.mark.e2e
+def test_eval_prints_commands_that_run_as_printed(local_tinker, local_sft_run, tmp_path):
+    """tinker_eval.py prints next commands only when it refuses: a local run's checkpoint asked of Tinker (no
+    local backend: the same evaluation under the launcher), a weights/ --checkpoint (the same evaluation of the
+    sampler path, under the launcher), a --checkpoint that is no tinker:// path (the run's checkpoints). The
+    last two are pasted as printed (each paste starts a server); the first is the second's form without
+    --checkpoint."""
+    (tmp_path / "home").mkdir()
+    cwd = local_sft_run.parent.parent  # eval only reads the run folder
+    final = [json.loads(r) for r in (local_sft_run / "checkpoints.jsonl").read_text().splitlines()][-1]
+    evaluate = [sys.executable, str(SCRIPTS / "tinker_eval.py"), "--run", "runs/sft", "--data", str(EXAMPLE),
+                "--limit", "1", "--max-tokens", "4"]
+
+    def refused(extra, env, code):
+        out = subprocess.run([*evaluate, *extra], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+        assert out.returncode == code, (extra, out.stderr[-2000:])
+        return out.stderr.strip().splitlines()[-1]
+
+    no_key = refused([], no_credentials_env(tmp_path), 2).split("start the local backend: ", 1)[1].removesuffix(")")
+    weights = refused(["--checkpoint", final["state_path"]], local_tinker.env, 2).split("next: ", 1)[1]
+    not_a_path = refused(["--checkpoint", "runs/sft/final"], local_tinker.env, 2).split("next: ", 1)[1]
+    launcher = [sys.executable, str(SCRIPTS / "tinker_local.py"), "run", "--"]
+    assert shlex.split(no_key) == [*launcher, *evaluate], no_key
+    assert shlex.split(weights) == [*launcher, *evaluate, "--checkpoint", final["sampler_path"]], weights
+    assert weights.startswith(PY + " "), weights
+    done = paste(weights, cwd, local_tinker.env)
+    assert done.returncode == 0, (weights, done.stderr[-3000:])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (result["status"], result["checkpoint"], result["n"]) == ("ok", final["sampler_path"], 1), result
+    words = shlex.split(not_a_path)
+    assert words[-4].endswith("tinker_checkpoints.py") and words[-3:] == ["list", "--run", "runs/sft"], not_a_path
+    done = paste(not_a_path, cwd, local_tinker.env)
+    assert done.returncode == 0, (not_a_path, done.stderr[-3000:])
+    assert final["sampler_path"] in done.stdout, done.stdout[-2000:]
+
+
 # ---- the "PyTorch was not found" notice ------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,12 @@ def test_without_a_backend_the_integration_tests_skip_and_say_how_to_run_them(tm
     out = pytest_in(project, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert counts(out.stdout) == {"passed": 2, "skipped": 2}  # the reward cases run offline
-    assert "tinker_local.py run -- python -m pytest -m integration" in out.stdout
+    # the command to run, with this interpreter and the real folder, after copying the launcher there (issue 44)
+    command = shlex.join([sys.executable, str(project / "tinker_local.py"), "run", "--", sys.executable, "-m", "pytest",
+                          "-m", "integration"])
+    assert (f"copy tinker_local.py and tinker_local_server.py from the tinker-training-inference bundle's scripts/ "
+            f"folder into {project}, then run `{command}`") in " ".join(out.stdout.split()), out.stdout[-3000:]
+    assert "PATH/TO" not in out.stdout
 
 
 def test_a_hosted_key_without_opt_in_skips_the_paid_steps(tmp_path):
