@@ -40,7 +40,7 @@ def test_a_dpo_rehearsal_on_the_users_pairs_raises_preference_accuracy(local_rea
     metrics = rows(log / "metrics.jsonl")
     assert abs(metrics[0]["margin"]) < 1e-3 and metrics[-1]["accuracy"] >= 0.9 and metrics[-1]["margin"] > 0
     config = json.loads((log / "config.json").read_text())
-    assert config["backend"]["stand_in_kind"] == "real" and report["rehearsal"]["stand_in"] == SMOLLM2
+    assert config["backend"] == {"kind": "local", "stand_in": SMOLLM2, "stand_in_kind": "real"}
     assert config["format"]["stop"] == [2]  # SmolLM2's <|im_end|>: the pairs were rendered by its template
 
 
