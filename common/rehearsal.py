@@ -50,8 +50,9 @@ def stand_in_cost_note() -> str:
 
 
 def preset(presets: dict) -> dict:
-    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]."""
-    return dict(presets["real" if real_stand_in() else "tiny"])
+    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]
+    (also on the real model while a script has no preset measured on it)."""
+    return dict(presets["real" if real_stand_in() and "real" in presets else "tiny"])
 
 
 def rehearsal_check(text: str, passed) -> dict:
@@ -156,11 +157,11 @@ def _sft_built_in_checks(report):
 # The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's
 # tiny model memorises at lr 1e-2 (measured: probes 4/4 exact after 40 steps, 0/4 before; training loss
 # 18.4 -> 0.013; held-out NLL 18.2 -> 3.3), and the same facts asked in other words as the held-out set.
-# Built in so the script copied alone can rehearse.
-REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
-    ("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
-    ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down."),
-]]
+# Built in so the script copied alone can rehearse. tinker_distill.py's rehearsal teacher learns the same answers.
+REHEARSAL_QA = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+                ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
+REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                   for q, a in REHEARSAL_QA]
 REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
     ("Tell me the colour of the sky.", "Blue."), ("Name the capital of France.", "Paris."),
     ("A cat has how many legs?", "Four."), ("In which direction does rain fall?", "Down."),

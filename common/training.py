@@ -58,6 +58,35 @@ def plan_steps(n_train, batch_size, epochs, max_steps):
     return per_epoch, min(total, max_steps) if max_steps else total
 
 
+# Fewer steps than this rarely train (the guide's figure, references/hyperparameters.md): tinker_sft.py's plan says
+# so and prints --batch-size/--epochs values that reach it.
+MIN_STEPS = 100
+
+
+def sizing_advice(n, batch_size, epochs, lr):
+    """When n datums at `batch_size` for `epochs` make fewer than MIN_STEPS steps: a --batch-size/--epochs pair
+    that reaches them (the largest batch needing at most 3 epochs, else at most 10, else batch 1) and the
+    learning rate for that batch (`lr` scaled by the square root of the batch ratio). None when the plan has
+    enough."""
+    steps = plan_steps(n, batch_size, epochs, None)[1]
+    if steps >= MIN_STEPS:
+        return None
+    sizes = [batch_size] + [b for b in (2 ** k for k in range(12, -1, -1)) if b < min(batch_size, n)]
+    options = [(b, math.ceil(MIN_STEPS / max(n // b, 1))) for b in sizes]
+    batch, suggested_epochs = next((o for o in options if o[1] <= 3), None) or next(
+        (o for o in options if o[1] <= 10), options[-1])
+    rate = lr * math.sqrt(batch / min(batch_size, n))
+    reached = plan_steps(n, batch, suggested_epochs, None)[1]
+    message = (f"warning: {n} training datums at --batch-size {batch_size} for {epochs} epoch(s) make "
+               f"{steps} step(s); fewer than about {MIN_STEPS} rarely train. --batch-size {batch} --epochs "
+               f"{suggested_epochs} makes {reached}; a smaller batch wants a lower learning rate, scaled by the square "
+               f"root of the batch ratio: --learning-rate {rate:.2e} (from {lr:.2e})"
+               + (". With this few examples every epoch repeats them: watch the held-out NLL (--eval-every)"
+                  if suggested_epochs > 3 else ""))
+    return {"steps": steps, "min_steps": MIN_STEPS, "suggested": {"batch_size": batch, "epochs": suggested_epochs,
+            "steps": reached, "learning_rate": float(f"{rate:.3g}")}, "message": message}
+
+
 class BatchOrder:
     """Datum indices of each global step: a fixed shuffle per epoch from the seed, computed once per
     epoch (not per step), so planning is linear in the data and a resumed run trains exactly the
