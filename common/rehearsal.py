@@ -28,12 +28,16 @@ def real_stand_in() -> bool:
     return stand_in() not in (None, TINY_STAND_IN)
 
 
+def on_local_backend() -> bool:
+    """TINKER_BASE_URL points at this machine: the local backend (scripts/tinker_local.py), not Tinker."""
+    return urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname in ("127.0.0.1", "localhost", "::1")
+
+
 def backend_record() -> dict:
     """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
     A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
     name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    local = name is not None or on_local_backend()
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
@@ -166,3 +170,48 @@ REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assist
     ("Tell me the colour of the sky.", "Blue."), ("Name the capital of France.", "Paris."),
     ("A cat has how many legs?", "Four."), ("In which direction does rain fall?", "Down."),
 ]]
+
+
+# ---- tinker_rl.py --rehearse
+# tiny: the local backend's tiny random model learns at a far larger rate than an 8B model and is slow per token:
+# the rehearsal trains the rehearsal task with these unless a flag says otherwise. Temperature 1.2: at 1.0 about
+# 1 sample in 8 leaves the blank lines, at 1.5 nearly all do (measured).
+RL_REHEARSAL = {
+    "tiny": dict(learning_rate=1e-2, iterations=5, batch_size=2, group_size=4, max_tokens=8, temperature=1.2,
+                 max_turns=2, on_truncation="continue", lora_rank=8, save_every=0),
+}
+# Rehearsing your own reward from a checkpoint (--init-from, e.g. an SFT rehearsal's), over RL_REHEARSAL: room for
+# the answers it was trained on, sampled as a trained policy is.
+RL_REHEARSAL_FROM_CHECKPOINT = {
+    "tiny": dict(max_tokens=32, temperature=1.0),
+}
+# The stand-in task (--rehearse, automatic on the local backend). The tiny random model repeats blank lines at
+# greedy and drifts into junk text now and then at temperature 1.2; it can never multiply or call a tool, so the
+# examples would tie every group. "Say something" is a reward it earns partly and unevenly, which is what RL
+# needs: the reward rises towards 1.0 within a few iterations when the pipeline is right.
+
+REHEARSAL_TASKS = [{"topic": t} for t in ("the sky", "cats", "rain", "Paris", "bread", "the sea", "music", "snow",
+                                          "trees", "coffee")]  # the last two are held out
+
+
+def rehearsal_prompt(task):
+    return [{"role": "user", "content": f"Say one word about {task['topic']}."}]
+
+
+def rehearsal_reward(task, completion):
+    """The share of the reply that is visible text (the untrained tiny model mostly writes blank lines)."""
+    return sum(not c.isspace() for c in completion) / max(1, len(completion))
+
+
+def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
+    """The shipped environment with two rehearsal changes: a first turn without a tool call gets a
+    reminder (so episodes have two turns and exercise the multi-turn datum), and the final answer is
+    scored by rehearsal_reward (the environment's own reward is kept as info own_reward)."""
+    if len(conversation) == 1 and "<tool_call>" not in model_turn:
+        return {"role": "user", "content": "Use the calculator tool first."}, 0.0, False, {"reminders": 1}
+    observation, step_reward, done, *info = shipped_env_step(task, conversation, model_turn, rng)
+    info = dict(info[0] or {}) if info else {}
+    if done:  # the environment's own reward stays visible beside the stand-in: env/own_reward in metrics.jsonl
+        info["own_reward"] = float(step_reward)
+        step_reward = rehearsal_reward(task, model_turn)
+    return observation, step_reward, done, info
