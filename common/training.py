@@ -1,11 +1,13 @@
-"""Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts."""
+"""Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
+scripts; the teacher a distillation rehearsal trains first."""
 from __future__ import annotations
 
 import math
 import random
 
 from errors import say  # splice: drop
-from render import Rendered, to_datum  # splice: drop
+from rehearsal import DISTILL_REHEARSAL_TEACHER, REHEARSAL_TRAIN, preset  # splice: drop
+from render import Rendered, render_example, to_datum  # splice: drop
 
 # The cookbook's Adam values; the SDK's default eps is 1e-12.
 ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
@@ -145,3 +147,29 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
+
+
+# ---- tinker_distill.py --rehearse without --teacher: the teacher, trained first
+
+def train_rehearsal_teacher(service, model_name, lora_rank, seed, tokenizer, fmt):
+    """A LoRA of the student's own base trained on the built-in answers (REHEARSAL_TRAIN: REHEARSAL_QA as
+    conversations; the student's rendering, cross-entropy on each answer and its end-of-turn token) with the
+    recipe DISTILL_REHEARSAL_TEACHER, saved for sampling, so the teacher prefers answers the untrained student
+    does not. `seed`: the student's, so both LoRAs start from the same init and the teacher is reachable from the
+    student's start. Returns its tinker://.../sampler_weights path."""
+    import tinker
+
+    datums = [to_datum(r) for ex in REHEARSAL_TRAIN for r in render_example(ex, tokenizer, fmt)]
+    tc = training_client(service, model_name, lora_rank, seed, position="rehearsal teacher")
+    recipe = preset(DISTILL_REHEARSAL_TEACHER)
+    steps, lr = recipe["steps"], recipe["learning_rate"]
+    for step in range(steps):
+        fwd = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))
+        loss = fwd.result().metrics["loss:sum"]
+        opt.result()
+        if step in (0, steps - 1):
+            say(f"rehearsal teacher: step {step + 1}/{steps} | loss {loss:.4f}")
+    path = tc.save_weights_for_sampler("rehearsal-teacher").result().path
+    say(f"rehearsal teacher: {steps} SFT steps on the {len(REHEARSAL_TRAIN)} built-in answers at lr {lr:g} -> {path}")
+    return path

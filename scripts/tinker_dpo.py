@@ -2282,7 +2282,8 @@ class CostMeter:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
+# scripts; the teacher a distillation rehearsal trains first.
 import math
 import random
 
@@ -2347,7 +2348,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
-# ==== END SHARED CODE (sha256 f258056b5cac) ====
+# ==== END SHARED CODE (sha256 703d00e3cf41) ====
 
 
 if __name__ == "__main__":

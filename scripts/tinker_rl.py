@@ -2219,7 +2219,8 @@ class CostMeter:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
+# scripts; the teacher a distillation rehearsal trains first.
 # The cookbook's Adam values; the SDK's default eps is 1e-12.
 ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 PERIODIC_TTL_SECONDS = 7 * 24 * 3600  # periodic saves expire after a week; the final one is kept
@@ -3085,7 +3086,7 @@ def say_assumptions(args, job):
     say(f"estimate assumes per episode: {a['turns']:.3g} turn(s), {a['completion_tokens']:.4g} sampled tokens per "
         f"turn, {a['observation_tokens']:.4g} observation tokens before each later turn, a {a['prompt_tokens']:.0f}-token "
         f"prompt (mean) ({a['source']})")
-# ==== END SHARED CODE (sha256 ae19e6508665) ====
+# ==== END SHARED CODE (sha256 3b76a6ca51f2) ====
 
 
 if __name__ == "__main__":
