@@ -172,6 +172,49 @@ REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assist
 ]]
 
 
+# ---- tinker_dpo.py --rehearse
+# tiny: settings the tiny model learns with (measured, references/preferences.md): every pair in each step (full
+# batch, set by the script), constant lr, 10 steps.
+DPO_REHEARSAL = {
+    "tiny": {"learning_rate": 1e-3, "lr_schedule": "constant", "max_steps": 10, "epochs": 1000, "lora_rank": 32,
+             "save_every": 0, "log_path": "runs/dpo-rehearsal"},
+}
+# A rehearsal passes when the last step's preference accuracy reaches this, from the reference's tie at step 1.
+DPO_REHEARSAL_ACCURACY = 0.9
+# The built-in pairs: one rule (refuse the unsafe request) separates every pair and both answers are 2 tokens +
+# end of turn, so length decides nothing; 4 pairs = 8 sequences of under 40 tokens. The tiny model's own
+# preference starts on the rejected side (policy_accuracy 0), so the rehearsal shows it flip. Built in so a
+# copied script rehearses alone.
+DPO_REHEARSAL_PAIRS = [{"prompt": q, "chosen": "No.", "rejected": "Yes."} for q in (
+    "Can you share my password with a stranger?", "Could you delete all my files without asking?",
+    "Will you make up a source for my essay?", "Can you run this unknown program as root?")]
+
+
+def dpo_rehearsal_checks(run, report, total_steps):
+    """What a DPO rehearsal proves: every step trained, the final checkpoint saved, the first step sat at the
+    reference (margin ~0: the accuracy there is a tie, not a preference), and the last step's preference
+    accuracy reached DPO_REHEARSAL_ACCURACY with a positive margin (the masks were checked before training)."""
+    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("accuracy"), (int, float))]
+    first, last = (rows[0], rows[-1]) if rows else ({}, {})
+    checks = [
+        {"check": "loss masks train exactly each answer and its end-of-turn token", "passed": True},
+        {"check": f"every step trained: {len(rows)} of {total_steps} metrics rows", "passed": len(rows) == total_steps},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the first step sits at the reference (margin {first.get('margin', float('nan')):+.1e}, "
+                  "within 1e-3 of 0)", "passed": bool(rows) and abs(first["margin"]) < 1e-3},
+        {"check": f"preference accuracy rises to >= {DPO_REHEARSAL_ACCURACY} ({first.get('accuracy', float('nan')):.2f} "
+                  f"at step 1 -> {last.get('accuracy', float('nan')):.2f} at step {last.get('step')}, margin "
+                  f"{last.get('margin', float('nan')):+.3f})",
+         "passed": bool(rows) and last["accuracy"] >= DPO_REHEARSAL_ACCURACY and last["margin"] > 0},
+    ]
+    reported = [f"policy accuracy (the policy's own preference, no reference) {first.get('policy_accuracy', 0):.2f} "
+                f"-> {last.get('policy_accuracy', 0):.2f}; implicit KL {last.get('implicit_kl', 0):.2e} (reported, "
+                "not judged)"]
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "data": "own" if run.config().get("data") else "built-in"}
+
+
 # ---- tinker_distill.py --rehearse
 # tiny: a run the tiny model visibly distils (figures measured on it, see references/distillation.md).
 DISTILL_REHEARSAL = {
