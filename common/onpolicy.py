@@ -25,6 +25,13 @@ def is_transient(e):
             or str(getattr(e, "category", "")).lower().endswith("server"))
 
 
+def is_rejection(e):
+    """A request the server refused as invalid (4xx, or a failed request of category user)."""
+    status = getattr(e, "status_code", None)
+    category = str(getattr(e, "category", "")).lower()
+    return (status is not None and 400 <= status < 500) or category.endswith("user")
+
+
 class RequestGate:
     """At most `limit` requests at once (per event loop; the rest wait), a 429 or transient error
     retried with jittered exponential back-off; `retries` counts them."""

@@ -28,12 +28,16 @@ def real_stand_in() -> bool:
     return stand_in() not in (None, TINY_STAND_IN)
 
 
+def on_local_backend() -> bool:
+    """TINKER_BASE_URL points at this machine: the local backend (scripts/tinker_local.py), not Tinker."""
+    return urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname in ("127.0.0.1", "localhost", "::1")
+
+
 def backend_record() -> dict:
     """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
     A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
     name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    local = name is not None or on_local_backend()
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
@@ -50,8 +54,9 @@ def stand_in_cost_note() -> str:
 
 
 def preset(presets: dict) -> dict:
-    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]."""
-    return dict(presets["real" if real_stand_in() else "tiny"])
+    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]
+    (also on the real model while a script has no preset measured on it)."""
+    return dict(presets["real" if real_stand_in() and "real" in presets else "tiny"])
 
 
 def rehearsal_check(text: str, passed) -> dict:
@@ -156,12 +161,167 @@ def _sft_built_in_checks(report):
 # The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's
 # tiny model memorises at lr 1e-2 (measured: probes 4/4 exact after 40 steps, 0/4 before; training loss
 # 18.4 -> 0.013; held-out NLL 18.2 -> 3.3), and the same facts asked in other words as the held-out set.
-# Built in so the script copied alone can rehearse.
-REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
-    ("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
-    ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down."),
-]]
+# Built in so the script copied alone can rehearse. tinker_distill.py's rehearsal teacher learns the same answers.
+REHEARSAL_QA = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+                ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
+REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                   for q, a in REHEARSAL_QA]
 REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
     ("Tell me the colour of the sky.", "Blue."), ("Name the capital of France.", "Paris."),
     ("A cat has how many legs?", "Four."), ("In which direction does rain fall?", "Down."),
 ]]
+
+
+# ---- tinker_dpo.py --rehearse
+# tiny: settings the tiny model learns with (measured, references/preferences.md): every pair in each step (full
+# batch, set by the script), constant lr, 10 steps.
+# real (`tinker_local.py run --real`, measured 2026-12-07 on templates/dpo_example.jsonl, 8 pairs, full batch): the
+# same settings; accuracy 0.50 at step 1 (the reference's tie) -> 1.00 at step 2, 0.88 at steps 4-7, 1.00 from
+# step 8; both sides' logprobs fall (chosen -14.7 at step 10: the reported implicit KL, 217); 7-8 s a step.
+DPO_REHEARSAL = {
+    "tiny": {"learning_rate": 1e-3, "lr_schedule": "constant", "max_steps": 10, "epochs": 1000, "lora_rank": 32,
+             "save_every": 0, "log_path": "runs/dpo-rehearsal"},
+    "real": {"learning_rate": 1e-3, "lr_schedule": "constant", "max_steps": 10, "epochs": 1000, "lora_rank": 32,
+             "save_every": 0, "log_path": "runs/dpo-rehearsal"},
+}
+# A rehearsal passes when the last step's preference accuracy reaches this, from the reference's tie at step 1.
+DPO_REHEARSAL_ACCURACY = 0.9
+# The built-in pairs: one rule (refuse the unsafe request) separates every pair and both answers are 2 tokens +
+# end of turn, so length decides nothing; 4 pairs = 8 sequences of under 40 tokens. The tiny model's own
+# preference starts on the rejected side (policy_accuracy 0), so the rehearsal shows it flip. Built in so a
+# copied script rehearses alone.
+DPO_REHEARSAL_PAIRS = [{"prompt": q, "chosen": "No.", "rejected": "Yes."} for q in (
+    "Can you share my password with a stranger?", "Could you delete all my files without asking?",
+    "Will you make up a source for my essay?", "Can you run this unknown program as root?")]
+
+
+def dpo_rehearsal_checks(run, report, total_steps):
+    """What a DPO rehearsal proves: every step trained, the final checkpoint saved, the first step sat at the
+    reference (margin ~0: the accuracy there is a tie, not a preference), and the last step's preference
+    accuracy reached DPO_REHEARSAL_ACCURACY with a positive margin (the masks were checked before training)."""
+    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("accuracy"), (int, float))]
+    first, last = (rows[0], rows[-1]) if rows else ({}, {})
+    checks = [
+        {"check": "loss masks train exactly each answer and its end-of-turn token", "passed": True},
+        {"check": f"every step trained: {len(rows)} of {total_steps} metrics rows", "passed": len(rows) == total_steps},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the first step sits at the reference (margin {first.get('margin', float('nan')):+.1e}, "
+                  "within 1e-3 of 0)", "passed": bool(rows) and abs(first["margin"]) < 1e-3},
+        {"check": f"preference accuracy rises to >= {DPO_REHEARSAL_ACCURACY} ({first.get('accuracy', float('nan')):.2f} "
+                  f"at step 1 -> {last.get('accuracy', float('nan')):.2f} at step {last.get('step')}, margin "
+                  f"{last.get('margin', float('nan')):+.3f})",
+         "passed": bool(rows) and last["accuracy"] >= DPO_REHEARSAL_ACCURACY and last["margin"] > 0},
+    ]
+    reported = [f"policy accuracy (the policy's own preference, no reference) {first.get('policy_accuracy', 0):.2f} "
+                f"-> {last.get('policy_accuracy', 0):.2f}; implicit KL {last.get('implicit_kl', 0):.2e} (reported, "
+                "not judged)"]
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "data": "own" if run.config().get("data") else "built-in"}
+
+
+# ---- tinker_distill.py --rehearse
+# tiny: a run the tiny model visibly distils (figures measured on it, see references/distillation.md).
+# real (measured 2026-12-07: teacher a 24-step SFT rehearsal on a 24-row help-desk set, the base as student, its
+# prompts): reverse KL 2.02 (first quarter's mean) -> 1.48 (last quarter's) in 12 iterations, the teacher's logprob
+# of the student's samples -4.98 -> -2.83; about 14 s an iteration.
+DISTILL_REHEARSAL = {
+    "tiny": {"learning_rate": 5e-3, "iterations": 20, "batch_size": 4, "group_size": 2, "max_tokens": 8,
+             "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"},
+    "real": {"learning_rate": 1e-3, "iterations": 12, "batch_size": 4, "group_size": 2, "max_tokens": 24,
+             "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"},
+}
+# The teacher a rehearsal without --teacher trains first on REHEARSAL_QA. tiny: a soft teacher, 3 full-batch SFT
+# steps (held-out NLL 18.4 -> 10.8); a fully memorised one (40 steps) rates every other token near -20 and the
+# student's KL only fell 16 -> 12 in 12 iterations (measured).
+# real: SFT's real-model recipe for these facts (4/4 word for word in 16 steps at 5e-4, measured); the distillation
+# from it is judged by the real-model checks.
+DISTILL_REHEARSAL_TEACHER = {
+    "tiny": {"steps": 3, "learning_rate": 1e-2},
+    "real": {"steps": 16, "learning_rate": 5e-4},
+}
+# A rehearsal passes when the mean reverse KL of the last quarter of its iterations is at most this share of
+# the first iteration's (the untrained student's distance to the teacher).
+DISTILL_REHEARSAL_KL_SHARE = 0.5
+
+
+def distill_rehearsal_checks(run, report, iterations):
+    """What a distillation rehearsal proves: every iteration sampled, was graded by the teacher and trained; the
+    final checkpoint was saved; the student's reverse KL to the teacher fell by half from where the student
+    started (the last quarter's mean: one iteration's figure is noisy)."""
+    curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl") if isinstance(r.get("reverse_kl"), (int, float))]
+    q = max(1, len(curve) // 4)
+    head = curve[0] if curve else float("nan")
+    tail = sum(curve[-q:]) / q if curve else float("nan")
+    rows = run.rows("metrics.jsonl")
+    checks = [
+        {"check": f"every iteration sampled, was graded and trained: {len(curve)} of {iterations} metrics rows",
+         "passed": len(curve) == iterations},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the reverse KL to the teacher falls by half or more ({head:.3f} at the first iteration -> "
+                  f"{tail:.3f}, the mean of the last {q})",
+         "passed": bool(curve) and tail <= DISTILL_REHEARSAL_KL_SHARE * head},
+    ]
+    if real_stand_in() and curve:  # a real student starts nearer a real teacher: judged quarter against quarter
+        first_q = sum(curve[:q]) / q
+        teacher = [r["teacher_logprob"] for r in rows if isinstance(r.get("teacher_logprob"), (int, float))]
+        t_head, t_tail = sum(teacher[:q]) / q, sum(teacher[-q:]) / q
+        checks[-1] = rehearsal_check(f"the reverse KL to the teacher falls ({first_q:.3f}, the mean of the first {q} "
+                                     f"iterations -> {tail:.3f}, the mean of the last {q})", tail < first_q)
+        checks.append(rehearsal_check(f"the teacher rates the student's samples higher ({t_head:.3f} -> {t_tail:.3f}, "
+                                      f"mean logprob per token, first {q} -> last {q} iterations)", t_tail > t_head))
+    reported = [f"teacher logprob of the student's samples {rows[0].get('teacher_logprob', 0):.3f} -> "
+                f"{rows[-1].get('teacher_logprob', 0):.3f}, student logprob {rows[0].get('student_logprob', 0):.3f} -> "
+                f"{rows[-1].get('student_logprob', 0):.3f} (reported, not judged)"] if rows else []
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "reverse_kl": {"first": head, "last_quarter": tail}}
+
+
+# ---- tinker_rl.py --rehearse
+# tiny: the local backend's tiny random model learns at a far larger rate than an 8B model and is slow per token:
+# the rehearsal trains the rehearsal task with these unless a flag says otherwise. Temperature 1.2: at 1.0 about
+# 1 sample in 8 leaves the blank lines, at 1.5 nearly all do (measured).
+RL_REHEARSAL = {
+    "tiny": dict(learning_rate=1e-2, iterations=5, batch_size=2, group_size=4, max_tokens=8, temperature=1.2,
+                 max_turns=2, on_truncation="continue", lora_rank=8, save_every=0),
+}
+# Rehearsing your own reward from a checkpoint (--init-from, e.g. an SFT rehearsal's), over RL_REHEARSAL: room for
+# the answers it was trained on, sampled as a trained policy is.
+# real: room for a tool call (SmolLM2 writes the calculator's in ~35 tokens) and a rate that keeps its replies
+# fluent (measured 2026-12-07 from SFT rehearsals on a help-desk set: at 4e-4 and 1e-3 the replies drift into
+# repeated words within 8-12 iterations; 2e-4 stays fluent; references/training-rl.md has the curves).
+RL_REHEARSAL_FROM_CHECKPOINT = {
+    "tiny": dict(max_tokens=32, temperature=1.0),
+    "real": dict(max_tokens=48, temperature=1.0, learning_rate=2e-4, iterations=4, batch_size=4, group_size=4),
+}
+# The stand-in task (--rehearse, automatic on the local backend). The tiny random model repeats blank lines at
+# greedy and drifts into junk text now and then at temperature 1.2; it can never multiply or call a tool, so the
+# examples would tie every group. "Say something" is a reward it earns partly and unevenly, which is what RL
+# needs: the reward rises towards 1.0 within a few iterations when the pipeline is right.
+
+REHEARSAL_TASKS = [{"topic": t} for t in ("the sky", "cats", "rain", "Paris", "bread", "the sea", "music", "snow",
+                                          "trees", "coffee")]  # the last two are held out
+
+
+def rehearsal_prompt(task):
+    return [{"role": "user", "content": f"Say one word about {task['topic']}."}]
+
+
+def rehearsal_reward(task, completion):
+    """The share of the reply that is visible text (the untrained tiny model mostly writes blank lines)."""
+    return sum(not c.isspace() for c in completion) / max(1, len(completion))
+
+
+def rehearsal_env_step(shipped_env_step, task, conversation, model_turn, rng):
+    """The shipped environment with two rehearsal changes: a first turn without a tool call gets a
+    reminder (so episodes have two turns and exercise the multi-turn datum), and the final answer is
+    scored by rehearsal_reward (the environment's own reward is kept as info own_reward)."""
+    if len(conversation) == 1 and "<tool_call>" not in model_turn:
+        return {"role": "user", "content": "Use the calculator tool first."}, 0.0, False, {"reminders": 1}
+    observation, step_reward, done, *info = shipped_env_step(task, conversation, model_turn, rng)
+    info = dict(info[0] or {}) if info else {}
+    if done:  # the environment's own reward stays visible beside the stand-in: env/own_reward in metrics.jsonl
+        info["own_reward"] = float(step_reward)
+        step_reward = rehearsal_reward(task, model_turn)
+    return observation, step_reward, done, info

@@ -373,6 +373,29 @@ def weighted_spans(tokenizer, r: Rendered) -> list[str]:
     return [tokenizer.decode(s) for s in spans]
 
 
+def rendering_differences(student_tok, student_fmt, teacher_tok, teacher_fmt) -> list[str]:
+    """What differs between how the student and the teacher read token ids (empty when nothing does)."""
+    reasons = []
+    student_vocab, teacher_vocab = vocab_digest(student_tok), vocab_digest(teacher_tok)
+    if student_vocab != teacher_vocab:
+        s_n, t_n = len(student_tok), len(teacher_tok)
+        reasons.append(f"vocabularies differ ({s_n} vs {t_n} tokens)" if s_n != t_n
+                       else f"vocabularies of {s_n} tokens map some ids to different tokens")
+    if student_fmt.get("kind") != teacher_fmt.get("kind"):
+        reasons.append(f"the student renders {student_fmt.get('kind')}, the teacher {teacher_fmt.get('kind')}")
+    elif student_fmt.get("kind") == "chat" and student_fmt.get("template_sha256") != teacher_fmt.get("template_sha256"):
+        reasons.append(f"chat templates differ (sha256 {student_fmt.get('template_sha256', '')[:12]} vs "
+                       f"{(teacher_fmt.get('template_sha256') or '')[:12]})")
+    if list(student_fmt.get("stop") or []) != list(teacher_fmt.get("stop") or []):
+        reasons.append(f"stop tokens differ ({student_fmt.get('stop')} vs {teacher_fmt.get('stop')})")
+    return reasons
+
+
+def vocab_digest(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
 def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
     """--format auto|chat|raw: auto is raw for *-Base models or tokenizers without a template, else chat."""
     if kind == "auto":

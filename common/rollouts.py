@@ -1,6 +1,8 @@
 """RL rollouts for tinker_rl.py: tasks and seeds per iteration, episodes sampled with bounded concurrency
 and environment calls that overlap, group-relative advantages, datums, the rollout trace, and the
-schedule of sampler versions (on-policy, or up to --max-staleness steps behind while training runs)."""
+schedule of sampler versions (on-policy, or up to --max-staleness steps behind while training runs); what a
+run says about them (the metrics row, the progress line, the rehearsal's banner, the summary at the end); the
+cost of iterations (the estimate and its assumptions per episode, the running --max-usd check)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +13,18 @@ import functools
 import inspect
 import json
 import math
+import os
 import random
 import threading
 import time
 
-from errors import DataError, ScriptError, one_line  # splice: drop
-from onpolicy import RequestGate, rl_datum  # splice: drop
+from errors import BudgetError, DataError, ScriptError, one_line, say, script_command, short_path  # splice: drop
+from onpolicy import RequestGate, rl_datum, save_checkpoint  # splice: drop
+from rehearsal import RL_REHEARSAL, model_label, on_local_backend, preset, stand_in_cost_note  # splice: drop
+from rehearsal import REHEARSAL_TASKS, rehearsal_env_step, rehearsal_prompt, rehearsal_reward  # splice: drop
 from render import _frozen_clock  # splice: drop
+from run_record import write_report  # splice: drop
+from service import estimate, load_pricing  # splice: drop
 
 
 def task_label(tasks, index):
@@ -424,6 +431,82 @@ def rollout_rows(it, groups, batch, tokenizer):
     return rows
 
 
+# ---- What a run says about its rollouts: the metrics row, the progress line, the reward of a batch, a tied batch
+
+def tools_named(tools):
+    """'tools lookup, search' or 'no tools' for a banner."""
+    names = [(t.get("function") or t).get("name", "?") for t in tools or [] if isinstance(t, dict)]
+    return f"tool{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else "no tools"
+
+
+def reward_summary(groups, what):
+    """The reward on a batch of groups: distribution and tied groups (a constant reward teaches nothing)."""
+    import collections
+
+    rewards = [e.reward for g in groups for e in g.episodes]
+    tied = sum(1 for g in groups if max(e.reward for e in g.episodes) - min(e.reward for e in g.episodes) < 1e-9)
+    values = collections.Counter(round(r, 4) for r in rewards)
+    shown = ", ".join(f"{v:g} x{c}" for v, c in values.most_common(5)) + (" ..." if len(values) > 5 else "")
+    return (f"{what} on the first {len(rewards)} samples ({len(groups)} groups): mean {sum(rewards) / len(rewards):.3f}, "
+            f"min {min(rewards):.3g}, max {max(rewards):.3g}; values {shown}; tied groups {tied}/{len(groups)}")
+
+
+def tied_message(groups, args=None, log_path=None):
+    rewards = sorted({e.reward for g in groups for e in g.episodes})
+    policy = f"the policy from {args.init_from}" if args is not None and args.init_from else "the base policy"
+    where = ""
+    if log_path is not None:
+        log = short_path(log_path)
+        where = (f"; what it sampled is in {os.path.join(log, 'metrics.jsonl')} (iteration 0) and "
+                 f"{os.path.join(log, 'rollouts.jsonl')} (every episode, decoded: prompt_text, completion_text), "
+                 f"one episode as text: {script_command('tinker_report.py', log, '--rollout', '0', server=False)}")
+    return (f"{policy} ties every group (all {len(groups)} groups at reward {rewards[:3]}): no advantage, "
+            "no gradient; nothing was trained" + where + ". Ways out: give partial credit in reward() (a score "
+            "for the right format, the tool called, a near answer), make the tasks easier (reward floor) or harder "
+            "(ceiling), raise --group-size / --temperature, or SFT first and start from its checkpoint with "
+            "--init-from tinker://RUN/weights/final")
+
+
+def iteration_row(it, groups, batch, args, job, fb_metrics, task_indices, seeds, seconds, retries):
+    episodes = [e for g in groups for e in g.episodes]
+    rewards = [e.reward for e in episodes]
+    mean = sum(rewards) / len(rewards)
+    versions = [it if g.version is None else g.version for g in groups]
+    row = {
+        "iteration": it, "step": it, "reward_mean": mean,
+        "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        "reward_min": min(rewards), "reward_max": max(rewards),
+        "groups": len(groups), "groups_tied": batch.tied, "frac_groups_tied": batch.tied / len(groups),
+        "episodes": len(episodes), "frac_truncated": sum(e.truncated for e in episodes) / len(episodes),
+        "turns_mean": sum(len(e.turns) for e in episodes) / len(episodes),
+        "tokens_sampled": sum(len(t.action) for e in episodes for t in e.turns),
+        "tokens_trained": sum(d.model_input.length for d in batch.datums), "datums": len(batch.datums),
+        "loss_fn": args.loss_fn, "loss_fn_config": job.loss_config, "learning_rate": args.learning_rate,
+        **fb_metrics, **{f"seconds_{k}": v for k, v in seconds.items()}, "sample_retries": retries,
+        "sampler_version": min(versions), "staleness_max": it - min(versions), "groups_stale_dropped": batch.stale,
+        "tasks": task_indices, "group_seeds": seeds,
+    }
+    for key in sorted({k for e in episodes for k in e.info}):
+        row[f"env/{key}"] = sum(e.info.get(key, 0) for e in episodes)
+    # The cookbook's group fractions: a tied group is "all good" when its common reward is above 0
+    # (every sample passed), "all bad" otherwise; the rest are mixed and carry the signal.
+    tied_rewards = [g.episodes[0].reward for g in groups
+                    if max(e.reward for e in g.episodes) - min(e.reward for e in g.episodes) < 1e-9]  # as build_batch
+    row["by_group/frac_all_good"] = sum(r > 0 for r in tied_rewards) / len(groups)
+    row["by_group/frac_all_bad"] = sum(r <= 0 for r in tied_rewards) / len(groups)
+    row["by_group/frac_mixed"] = 1 - len(tied_rewards) / len(groups)
+    return row
+
+
+def progress_line(it, total, row):
+    kl = row.get("kl_sample_train_v1")
+    return (f"iter {it + 1}/{total} | reward {row['reward_mean']:.3f} ± {row['reward_std']:.3f} | "
+            f"tied {row['frac_groups_tied']:.2f} | trunc {row['frac_truncated']:.2f} | "
+            + (f"loss {row['loss_sum']:.4g} | kl {kl if kl is not None else float('nan'):.2e} | "
+               if row.get("loss_sum") is not None else "not trained (no datums: every group tied) | ")
+            + f"sample {row['seconds_sampling']:.1f}s | "
+            f"train {row['seconds_training']:.1f}s")
+
 
 def sampler_version(iteration, start, max_staleness, save_every):
     """The weights (counted in optim steps) the rollouts of `iteration` are sampled with: its own when
@@ -500,3 +583,165 @@ async def _cancel_all():
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def print_outcome(args, job, run, rewards, final, usd):
+    """A few lines a newcomer can read, as tinker_sft.py ends: what trained, how the reward moved, where it is."""
+    q = max(1, len(rewards) // 4)  # rewards: every iteration's reward_mean, the resumed-from ones included
+    head, tail = (sum(part) / len(part) for part in (rewards[:q], rewards[-q:])) if rewards else (0, 0)
+    start = f"from {args.init_from}" if args.init_from else f"a new LoRA (rank {args.lora_rank})"
+    lines = ["", "==== what happened ====",
+             f"trained  {model_label(args.model_name)}, {start}: {args.iterations} iterations of {args.batch_size} "
+             f"tasks x {args.group_size} samples ({args.loss_fn}, --learning-rate {args.learning_rate:g}), reward "
+             f"from {'reward() (EDIT ME)' if args.reward == 'own' else 'the stand-in reward'}",
+             f"reward   mean {head:.3f} over the first {q} iteration(s) -> {tail:.3f} over the last {q} "
+             f"(per iteration: {', '.join(f'{r:.2f}' for r in rewards[-12:])})",
+             f"record   {short_path(run.path)}/ (config.json, metrics.jsonl, rollouts.jsonl, checkpoints.jsonl); "
+             f"final sampler {final.get('sampler_path')}",
+             f"on Tinker this run cost about ${usd:.4f} ({args.model_name}, as metered in cost/cumulative_usd"
+             f"{stand_in_cost_note()})",
+             "next     sample it: " + script_command("tinker_infer.py", "--run", run.path)]
+    page = write_report(run.path)
+    if page:
+        lines.insert(-1, f"report   {page} (its curves and checkpoints)")
+    say("\n".join(lines))
+
+
+def rehearsal_env(env, name, reward_source, flag, scripted, *, example):
+    """The environment a tinker_rl.py rehearsal trains, said in one banner: `env` (the --env NAME's) with its
+    scripted turns (REHEARSAL_TURNS), with its own reward (single-turn, `reward_source` "own" or "auto"), or scored
+    by the stand-in task (common/rehearsal.py). `flag`: --rehearse as given; `example`: a shipped example
+    environment (--env calculator), not the EDIT ME block's."""
+    mode = (f"--rehearse {flag}" + (": on, TINKER_BASE_URL is this machine" if flag == "auto" else "")
+            + ("" if on_local_backend() else ", forced"))
+    if scripted is not None:
+        group_size = preset(RL_REHEARSAL)["group_size"]
+        say(f"rehearsal ({mode}): your environment '{name}' from the EDIT ME block ({tools_named(env['tools'])}); in "
+            f"each group the first half of the samples (e.g. {scripted_share(group_size)} of {group_size}) play "
+            "REHEARSAL_TURNS, rendered by the chat template as the model's own tokens with the sampler's logprobs, "
+            "the rest are sampled; your " + ("env_step() and reward()" if env["env_step"] else "reward()")
+            + " score every episode and train; --rehearse off trains as written")
+        return dict(env, scripted_turns=scripted)
+    if reward_source == "own" and env["env_step"] is not None:  # the real model from a tool-call warm-up
+        say(f"rehearsal ({mode}): {name} episodes, scored and stepped by its own env_step() and reward(), from "
+            "the --init-from checkpoint (a tool-call warm-up: references/agentic-rl.md); metrics.jsonl counts "
+            "what env_step() reports (env/<key>); --rehearse off trains with your settings")
+        return env
+    if reward_source in ("own", "auto") and env["env_step"] is None:
+        say(f"rehearsal ({mode}): your TASKS and reward() with "
+            "the rehearsal's settings" + (" if the first samples score differently under it, else a stand-in task"
+                                          if reward_source == "auto" else "") + "; --rehearse off trains with your settings")
+        return env
+    say(f"rehearsal ({mode}): "
+        + ("the tiny model's task 'say something' replaces TASKS" if env["env_step"] is None else
+           f"{name} episodes scored by 'said something', a first turn without a tool call is reminded"
+           + ("" if example else "; your reward is not trained: define REHEARSAL_TURNS in the EDIT ME "
+              "block to rehearse your env_step() and reward() on scripted turns"))
+        + "; --rehearse off trains the example as written")
+    if env["env_step"] is None:
+        return dict(env, tasks=REHEARSAL_TASKS[:8], eval_tasks=REHEARSAL_TASKS[8:], render_prompt=rehearsal_prompt,
+                    reward=rehearsal_reward)
+    return dict(env, env_step=functools.partial(rehearsal_env_step, env["env_step"]))
+
+
+# ---- The cost of RL iterations: the estimate before the run (and its assumptions per episode), the running
+# --max-usd check and the stop it ends with
+
+def estimate_cost(args, job, context_window, start=0):
+    """Dollar estimate of iterations start..--iterations (what a --resume has left to pay for);
+    completions counted at --max-tokens, an upper bound. BudgetError above --max-usd."""
+    pricing = load_pricing()
+    remaining = max(0, args.iterations - start)
+    tokens = estimate_tokens(args, job, pricing, remaining) if pricing else {}
+    if pricing:
+        say_assumptions(args, job)
+    label = "rl" if not start else f"rl, remaining {remaining} of {args.iterations} iterations after --resume"
+    return estimate(args.model_name, tokens, args.max_usd, label=label, context=context_window)
+
+
+def iteration_estimate_usd(args, job, context_window):
+    """The dollar estimate of one iteration, as the pre-run estimate counts it (for the running --max-usd
+    check); None without tinker_pricing.py or a price for the model."""
+    pricing = load_pricing()
+    if pricing is None:
+        return None
+    try:
+        est = pricing.estimate_cost(args.model_name, context=context_window, **estimate_tokens(args, job, pricing, 1))
+    except ValueError:
+        return None
+    return est["usd"]["total"]
+
+
+def over_budget(args, run, tc, job, it, spent, next_usd):
+    """The BudgetError that stops a run before iteration `it`: saved first (when `it` has no checkpoint yet),
+    so --resume continues exactly there."""
+    rows = run.checkpoints()
+    if it > 0 and not (rows and rows[-1].get("next_iteration") == it):
+        save_checkpoint(tc, run, f"{it:06d}", it, it * args.batch_size // job.n_train, job.fmt)
+        rows = run.checkpoints()
+    saved = (f"saved at iteration {it} ({rows[-1]['state_path']})" if rows and rows[-1].get("next_iteration") == it
+             else "nothing to save yet")
+    return BudgetError(
+        f"--max-usd {args.max_usd:g}: ${spent:.4f} metered so far (cost/cumulative_usd in "
+        f"{os.path.join(short_path(run.path), 'metrics.jsonl')}) + ${next_usd:.4f} estimated for the next iteration "
+        f"would pass it; stopped before iteration {it} of {args.iterations}, {saved}. Continue with the same "
+        "command plus --resume and a higher --max-usd (or fewer --iterations)")
+
+
+# The estimate's assumption for a multi-turn episode's observations (a tool result, a user reply) without
+# --estimate-from: tokens added before each later turn.
+ASSUMED_OBSERVATION_TOKENS = 64
+
+
+def estimate_assumptions(args, job):
+    """What the cost estimate assumes per episode: turns, sampled tokens per turn, observation tokens before each
+    later turn, and where the numbers come from (upper bounds, or measured with --estimate-from)."""
+    multi = job.env["env_step"] is not None
+    out = {"turns": args.max_turns if multi else 1, "completion_tokens": args.max_tokens,
+           "observation_tokens": ASSUMED_OBSERVATION_TOKENS if multi and args.max_turns > 1 else 0,
+           "prompt_tokens": sum(map(len, job.prompts)) / len(job.prompts),
+           "source": "upper bounds: --max-turns turns, --max-tokens per turn"
+                     + (f", {ASSUMED_OBSERVATION_TOKENS} observation tokens assumed" if multi else "")
+                     + "; measure them with --estimate-from RUN_DIR"}
+    if args.estimate_from:
+        out.update(measured_assumptions(args.estimate_from))
+    return out
+
+
+def measured_assumptions(run_dir):
+    """Turns per episode, sampled tokens per turn and observation tokens per later turn in RUN_DIR/rollouts.jsonl."""
+    path = os.path.join(run_dir, "rollouts.jsonl")
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn last line
+    except OSError as e:
+        raise DataError(f"--estimate-from {run_dir}: cannot read {path} ({e.strerror}); pass the --log-path of a "
+                        "tinker_rl.py run that wrote rollouts (--trace-every 1)") from None
+    turns = [r["turns"] for r in rows if isinstance(r, dict) and r.get("turns")]
+    if not turns:
+        raise DataError(f"--estimate-from {run_dir}: {path} holds no rollouts with turns; pass the --log-path of a "
+                        "tinker_rl.py run that wrote rollouts (--trace-every 1)")
+    actions = [len(t["action_tokens"]) for ts in turns for t in ts]
+    later = [len(t["observation_tokens"]) for ts in turns for t in ts[1:]]
+    return {"turns": sum(map(len, turns)) / len(turns), "completion_tokens": sum(actions) / len(actions),
+            "observation_tokens": sum(later) / len(later) if later else 0,
+            "source": f"measured on {len(turns)} episodes of {path}"}
+
+
+def estimate_tokens(args, job, pricing, iterations):
+    """Tokens of `iterations` iterations as tinker_pricing.rl_tokens counts them, under estimate_assumptions()."""
+    a = estimate_assumptions(args, job)
+    return pricing.rl_tokens(iterations, args.batch_size, args.group_size, a["prompt_tokens"], a["completion_tokens"],
+                             turns=a["turns"], avg_observation=a["observation_tokens"] if a["turns"] > 1 else 0)
+
+
+def say_assumptions(args, job):
+    a = estimate_assumptions(args, job)
+    say(f"estimate assumes per episode: {a['turns']:.3g} turn(s), {a['completion_tokens']:.4g} sampled tokens per "
+        f"turn, {a['observation_tokens']:.4g} observation tokens before each later turn, a {a['prompt_tokens']:.0f}-token "
+        f"prompt (mean) ({a['source']})")

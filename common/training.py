@@ -1,11 +1,13 @@
-"""Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts."""
+"""Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
+scripts; the teacher a distillation rehearsal trains first."""
 from __future__ import annotations
 
 import math
 import random
 
 from errors import say  # splice: drop
-from render import Rendered, to_datum  # splice: drop
+from rehearsal import DISTILL_REHEARSAL_TEACHER, REHEARSAL_TRAIN, preset  # splice: drop
+from render import Rendered, render_example, to_datum  # splice: drop
 
 # The cookbook's Adam values; the SDK's default eps is 1e-12.
 ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
@@ -56,6 +58,35 @@ def plan_steps(n_train, batch_size, epochs, max_steps):
     per_epoch = max(n_train // batch_size, 1)
     total = per_epoch * epochs
     return per_epoch, min(total, max_steps) if max_steps else total
+
+
+# Fewer steps than this rarely train (the guide's figure, references/hyperparameters.md): tinker_sft.py's plan says
+# so and prints --batch-size/--epochs values that reach it.
+MIN_STEPS = 100
+
+
+def sizing_advice(n, batch_size, epochs, lr):
+    """When n datums at `batch_size` for `epochs` make fewer than MIN_STEPS steps: a --batch-size/--epochs pair
+    that reaches them (the largest batch needing at most 3 epochs, else at most 10, else batch 1) and the
+    learning rate for that batch (`lr` scaled by the square root of the batch ratio). None when the plan has
+    enough."""
+    steps = plan_steps(n, batch_size, epochs, None)[1]
+    if steps >= MIN_STEPS:
+        return None
+    sizes = [batch_size] + [b for b in (2 ** k for k in range(12, -1, -1)) if b < min(batch_size, n)]
+    options = [(b, math.ceil(MIN_STEPS / max(n // b, 1))) for b in sizes]
+    batch, suggested_epochs = next((o for o in options if o[1] <= 3), None) or next(
+        (o for o in options if o[1] <= 10), options[-1])
+    rate = lr * math.sqrt(batch / min(batch_size, n))
+    reached = plan_steps(n, batch, suggested_epochs, None)[1]
+    message = (f"warning: {n} training datums at --batch-size {batch_size} for {epochs} epoch(s) make "
+               f"{steps} step(s); fewer than about {MIN_STEPS} rarely train. --batch-size {batch} --epochs "
+               f"{suggested_epochs} makes {reached}; a smaller batch wants a lower learning rate, scaled by the square "
+               f"root of the batch ratio: --learning-rate {rate:.2e} (from {lr:.2e})"
+               + (". With this few examples every epoch repeats them: watch the held-out NLL (--eval-every)"
+                  if suggested_epochs > 3 else ""))
+    return {"steps": steps, "min_steps": MIN_STEPS, "suggested": {"batch_size": batch, "epochs": suggested_epochs,
+            "steps": reached, "learning_rate": float(f"{rate:.3g}")}, "message": message}
 
 
 class BatchOrder:
@@ -116,3 +147,29 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
+
+
+# ---- tinker_distill.py --rehearse without --teacher: the teacher, trained first
+
+def train_rehearsal_teacher(service, model_name, lora_rank, seed, tokenizer, fmt):
+    """A LoRA of the student's own base trained on the built-in answers (REHEARSAL_TRAIN: REHEARSAL_QA as
+    conversations; the student's rendering, cross-entropy on each answer and its end-of-turn token) with the
+    recipe DISTILL_REHEARSAL_TEACHER, saved for sampling, so the teacher prefers answers the untrained student
+    does not. `seed`: the student's, so both LoRAs start from the same init and the teacher is reachable from the
+    student's start. Returns its tinker://.../sampler_weights path."""
+    import tinker
+
+    datums = [to_datum(r) for ex in REHEARSAL_TRAIN for r in render_example(ex, tokenizer, fmt)]
+    tc = training_client(service, model_name, lora_rank, seed, position="rehearsal teacher")
+    recipe = preset(DISTILL_REHEARSAL_TEACHER)
+    steps, lr = recipe["steps"], recipe["learning_rate"]
+    for step in range(steps):
+        fwd = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))
+        loss = fwd.result().metrics["loss:sum"]
+        opt.result()
+        if step in (0, steps - 1):
+            say(f"rehearsal teacher: step {step + 1}/{steps} | loss {loss:.4f}")
+    path = tc.save_weights_for_sampler("rehearsal-teacher").result().path
+    say(f"rehearsal teacher: {steps} SFT steps on the {len(REHEARSAL_TRAIN)} built-in answers at lr {lr:g} -> {path}")
+    return path

@@ -71,27 +71,10 @@ from pathlib import Path
 # Settings a --resume must repeat: any other value would make the resumed run a different run.
 RESUME_KEYS = ("model_name", "teacher", "teacher_base", "lora_rank", "train_unembed", "learning_rate", "batch_size",
                "group_size", "max_tokens", "temperature", "kl_coef", "seed", "prompts_sha256", "init_from")
-# --rehearse: a run the local backend's tiny model visibly distils (figures measured on it, see
-# references/distillation.md); any flag given wins. Without --teacher the rehearsal first trains its own
-# teacher on the same base (REHEARSAL_QA, SFT's rehearsal recipe), so the teacher samples differently from
-# the untrained student; without --prompts the student answers REHEARSAL_QA's questions.
-# On the real model (`tinker_local.py run --real`, measured 2026-12-07: teacher = a 24-step SFT rehearsal on a
-# 24-row help-desk set, the base as student, its prompts): reverse KL 2.02 (first quarter's mean) -> 1.48 (last
-# quarter's) in 12 iterations, the teacher's logprob of the student's samples -4.98 -> -2.83; 14 s an iteration.
-REHEARSAL = {"tiny": {"learning_rate": 5e-3, "iterations": 20, "batch_size": 4, "group_size": 2, "max_tokens": 8,
-                      "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"},
-             "real": {"learning_rate": 1e-3, "iterations": 12, "batch_size": 4, "group_size": 2, "max_tokens": 24,
-                      "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"}}
-REHEARSAL_QA = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
-                ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
-# A soft teacher: 3 full-batch SFT steps (held-out NLL 18.4 -> 10.8). A fully memorised one (40 steps) rates
-# every other token near -20 and the student's KL only fell 16 -> 12 in 12 iterations (measured).
-# On the real model the teacher takes SFT's real-model recipe for these facts (4/4 answered word for word in 16 steps
-# at 5e-4, measured); the distillation from it is judged by the real-model checks below.
-REHEARSAL_TEACHER = {"tiny": {"steps": 3, "learning_rate": 1e-2}, "real": {"steps": 16, "learning_rate": 5e-4}}
-# A rehearsal passes when the mean reverse KL of the last quarter of its iterations is at most this share of
-# the first iteration's (the untrained student's distance to the teacher).
-REHEARSAL_KL_SHARE = 0.5
+# --rehearse: the settings of DISTILL_REHEARSAL (in the shared code below, by the model standing in; any flag given
+# wins). Without --teacher the rehearsal first trains its own teacher on the same base (REHEARSAL_QA, SFT's
+# rehearsal recipe; DISTILL_REHEARSAL_TEACHER), so the teacher samples differently from the untrained student;
+# without --prompts the student answers REHEARSAL_QA's questions.
 
 
 def parse_args(argv=None):
@@ -134,12 +117,12 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the last row of checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="start over in an existing --log-path")
     p.add_argument("--rehearse", action="store_true",
-                   help="free rehearsal preset for the local backend (REHEARSAL in the script; any flag you pass "
-                        "wins): without --teacher, a teacher trained first on the same base; then checks the "
+                   help="free rehearsal preset for the local backend (DISTILL_REHEARSAL, by the model standing in; "
+                        "any flag you pass wins): without --teacher, a teacher trained first on the same base; then checks the "
                         "reverse KL halves")
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--rehearse" in argv:
-        p.set_defaults(**preset(REHEARSAL))  # defaults only: a flag given on the command line still wins
+        p.set_defaults(**preset(DISTILL_REHEARSAL))  # defaults only: a flag given on the command line still wins
     args = p.parse_args(argv)
     args.train_teacher = bool(args.rehearse and not args.teacher)
     if args.train_teacher:  # the teacher is a checkpoint of the student's own base, trained before the run
@@ -241,7 +224,8 @@ def train_run(args, student, teacher, prompt_lengths, run):
     service, context_window = connect(args.model_name)
     check_context(args, student.prompts, context_window)
     if args.train_teacher:
-        teacher.path = train_rehearsal_teacher(service, args, student)
+        teacher.path = train_rehearsal_teacher(service, args.model_name, args.lora_rank, args.seed,
+                                               student.tokenizer, student.fmt)
         teacher.label = f"{teacher.path} (trained first on the built-in answers)"
     teacher_client = open_teacher(service, teacher, args)  # free: opening a sampler is not metered
     if teacher.fmt is None:
@@ -322,7 +306,7 @@ def train_run(args, student, teacher, prompt_lengths, run):
               "sampling": {"model_path": final["sampler_path"], "stop": student.fmt["stop"],
                            "hint": script_command("tinker_infer.py", "--run", run.path, "--prompt", student.question)}}
     if args.rehearse:
-        report["rehearsal"] = rehearsal_checks(run, report, args.iterations)
+        report["rehearsal"] = distill_rehearsal_checks(run, report, args.iterations)
         report["estimate_usd"], report["seconds"] = config["estimate_usd"], round(time.monotonic() - started, 1)
         if not report["rehearsal"]["passed"]:
             report["status"] = "failed"  # the JSON says what the exit code (1) says
@@ -336,65 +320,8 @@ def train_run(args, student, teacher, prompt_lengths, run):
 
 
 # ---------------------------------------------------------------------------------------------
-# --rehearse: the teacher trained first, the checks and the summary
-
-def train_rehearsal_teacher(service, args, student):
-    """--rehearse without --teacher: a LoRA of the student's own base trained on REHEARSAL_QA's answers (the
-    student's rendering, cross-entropy on each answer and its end-of-turn token) and saved for sampling, so the
-    teacher prefers answers the untrained student does not. Returns its tinker://.../sampler_weights path."""
-    import tinker
-
-    examples = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-                for q, a in REHEARSAL_QA]
-    datums = [to_datum(r) for ex in examples for r in render_example(ex, student.tokenizer, student.fmt)]
-    # the student's seed: both LoRAs start from the same init, so the teacher is reachable from the student's start
-    tc = training_client(service, args.model_name, args.lora_rank, args.seed, position="rehearsal teacher")
-    teacher_preset = preset(REHEARSAL_TEACHER)
-    steps, lr = teacher_preset["steps"], teacher_preset["learning_rate"]
-    for step in range(steps):
-        fwd = tc.forward_backward(datums, "cross_entropy")
-        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))
-        loss = fwd.result().metrics["loss:sum"]
-        opt.result()
-        if step in (0, steps - 1):
-            say(f"rehearsal teacher: step {step + 1}/{steps} | loss {loss:.4f}")
-    path = tc.save_weights_for_sampler("rehearsal-teacher").result().path
-    say(f"rehearsal teacher: {steps} SFT steps on the {len(examples)} built-in answers at lr {lr:g} -> {path}")
-    return path
-
-
-def rehearsal_checks(run, report, iterations):
-    """What a distillation rehearsal proves: every iteration sampled, was graded by the teacher and trained; the
-    final checkpoint was saved; the student's reverse KL to the teacher fell by half from where the student
-    started (the last quarter's mean: one iteration's figure is noisy)."""
-    curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl") if isinstance(r.get("reverse_kl"), (int, float))]
-    q = max(1, len(curve) // 4)
-    head = curve[0] if curve else float("nan")
-    tail = sum(curve[-q:]) / q if curve else float("nan")
-    rows = run.rows("metrics.jsonl")
-    checks = [
-        {"check": f"every iteration sampled, was graded and trained: {len(curve)} of {iterations} metrics rows",
-         "passed": len(curve) == iterations},
-        {"check": "the final checkpoint was saved (state and sampler paths)",
-         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
-        {"check": f"the reverse KL to the teacher falls by half or more ({head:.3f} at the first iteration -> "
-                  f"{tail:.3f}, the mean of the last {q})",
-         "passed": bool(curve) and tail <= REHEARSAL_KL_SHARE * head},
-    ]
-    if real_stand_in() and curve:  # a real student starts nearer a real teacher: judged quarter against quarter
-        first_q = sum(curve[:q]) / q
-        teacher = [r["teacher_logprob"] for r in rows if isinstance(r.get("teacher_logprob"), (int, float))]
-        t_head, t_tail = sum(teacher[:q]) / q, sum(teacher[-q:]) / q
-        checks[-1] = rehearsal_check(f"the reverse KL to the teacher falls ({first_q:.3f}, the mean of the first {q} "
-                                     f"iterations -> {tail:.3f}, the mean of the last {q})", tail < first_q)
-        checks.append(rehearsal_check(f"the teacher rates the student's samples higher ({t_head:.3f} -> {t_tail:.3f}, "
-                                      f"mean logprob per token, first {q} -> last {q} iterations)", t_tail > t_head))
-    reported = [f"teacher logprob of the student's samples {rows[0].get('teacher_logprob', 0):.3f} -> "
-                f"{rows[-1].get('teacher_logprob', 0):.3f}, student logprob {rows[0].get('student_logprob', 0):.3f} -> "
-                f"{rows[-1].get('student_logprob', 0):.3f} (reported, not judged)"] if rows else []
-    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
-            "reverse_kl": {"first": head, "last_quarter": tail}}
-
+# --rehearse: the summary (the teacher trained first, train_rehearsal_teacher, and the checks,
+# distill_rehearsal_checks, are in the shared code)
 
 def print_outcome(args, student, report):
     """A few lines a newcomer can read: what was distilled, how far it moved, where it is, what it costs."""
@@ -673,29 +600,6 @@ def teacher_format(student, teacher):
     return raw_format(teacher.tokenizer, name=teacher.tokenizer_name)
 
 
-def rendering_differences(student_tok, student_fmt, teacher_tok, teacher_fmt) -> list[str]:
-    """What differs between how the student and the teacher read token ids (empty when nothing does)."""
-    reasons = []
-    student_vocab, teacher_vocab = vocab_digest(student_tok), vocab_digest(teacher_tok)
-    if student_vocab != teacher_vocab:
-        s_n, t_n = len(student_tok), len(teacher_tok)
-        reasons.append(f"vocabularies differ ({s_n} vs {t_n} tokens)" if s_n != t_n
-                       else f"vocabularies of {s_n} tokens map some ids to different tokens")
-    if student_fmt.get("kind") != teacher_fmt.get("kind"):
-        reasons.append(f"the student renders {student_fmt.get('kind')}, the teacher {teacher_fmt.get('kind')}")
-    elif student_fmt.get("kind") == "chat" and student_fmt.get("template_sha256") != teacher_fmt.get("template_sha256"):
-        reasons.append(f"chat templates differ (sha256 {student_fmt.get('template_sha256', '')[:12]} vs "
-                       f"{(teacher_fmt.get('template_sha256') or '')[:12]})")
-    if list(student_fmt.get("stop") or []) != list(teacher_fmt.get("stop") or []):
-        reasons.append(f"stop tokens differ ({student_fmt.get('stop')} vs {teacher_fmt.get('stop')})")
-    return reasons
-
-
-def vocab_digest(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
-
-
 def prompts_digest(rendered) -> str:
     return hashlib.sha256(json.dumps(rendered).encode()).hexdigest()
 
@@ -801,23 +705,96 @@ def real_stand_in() -> bool:
     return stand_in() not in (None, TINY_STAND_IN)
 
 
+def on_local_backend() -> bool:
+    """TINKER_BASE_URL points at this machine: the local backend (scripts/tinker_local.py), not Tinker."""
+    return urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname in ("127.0.0.1", "localhost", "::1")
+
+
 def backend_record() -> dict:
     """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
     A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
     name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    local = name is not None or on_local_backend()
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
 def preset(presets: dict) -> dict:
-    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]."""
-    return dict(presets["real" if real_stand_in() else "tiny"])
+    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]
+    (also on the real model while a script has no preset measured on it)."""
+    return dict(presets["real" if real_stand_in() and "real" in presets else "tiny"])
 
 
 def rehearsal_check(text: str, passed) -> dict:
     return {"check": text, "passed": bool(passed)}
+
+
+# The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's
+# tiny model memorises at lr 1e-2 (measured: probes 4/4 exact after 40 steps, 0/4 before; training loss
+# 18.4 -> 0.013; held-out NLL 18.2 -> 3.3), and the same facts asked in other words as the held-out set.
+# Built in so the script copied alone can rehearse. tinker_distill.py's rehearsal teacher learns the same answers.
+REHEARSAL_QA = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+                ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
+REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                   for q, a in REHEARSAL_QA]
+
+
+# ---- tinker_distill.py --rehearse
+# tiny: a run the tiny model visibly distils (figures measured on it, see references/distillation.md).
+# real (measured 2026-12-07: teacher a 24-step SFT rehearsal on a 24-row help-desk set, the base as student, its
+# prompts): reverse KL 2.02 (first quarter's mean) -> 1.48 (last quarter's) in 12 iterations, the teacher's logprob
+# of the student's samples -4.98 -> -2.83; about 14 s an iteration.
+DISTILL_REHEARSAL = {
+    "tiny": {"learning_rate": 5e-3, "iterations": 20, "batch_size": 4, "group_size": 2, "max_tokens": 8,
+             "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"},
+    "real": {"learning_rate": 1e-3, "iterations": 12, "batch_size": 4, "group_size": 2, "max_tokens": 24,
+             "lora_rank": 32, "save_every": 0, "log_path": "runs/distill-rehearsal"},
+}
+# The teacher a rehearsal without --teacher trains first on REHEARSAL_QA. tiny: a soft teacher, 3 full-batch SFT
+# steps (held-out NLL 18.4 -> 10.8); a fully memorised one (40 steps) rates every other token near -20 and the
+# student's KL only fell 16 -> 12 in 12 iterations (measured).
+# real: SFT's real-model recipe for these facts (4/4 word for word in 16 steps at 5e-4, measured); the distillation
+# from it is judged by the real-model checks.
+DISTILL_REHEARSAL_TEACHER = {
+    "tiny": {"steps": 3, "learning_rate": 1e-2},
+    "real": {"steps": 16, "learning_rate": 5e-4},
+}
+# A rehearsal passes when the mean reverse KL of the last quarter of its iterations is at most this share of
+# the first iteration's (the untrained student's distance to the teacher).
+DISTILL_REHEARSAL_KL_SHARE = 0.5
+
+
+def distill_rehearsal_checks(run, report, iterations):
+    """What a distillation rehearsal proves: every iteration sampled, was graded by the teacher and trained; the
+    final checkpoint was saved; the student's reverse KL to the teacher fell by half from where the student
+    started (the last quarter's mean: one iteration's figure is noisy)."""
+    curve = [r["reverse_kl"] for r in run.rows("metrics.jsonl") if isinstance(r.get("reverse_kl"), (int, float))]
+    q = max(1, len(curve) // 4)
+    head = curve[0] if curve else float("nan")
+    tail = sum(curve[-q:]) / q if curve else float("nan")
+    rows = run.rows("metrics.jsonl")
+    checks = [
+        {"check": f"every iteration sampled, was graded and trained: {len(curve)} of {iterations} metrics rows",
+         "passed": len(curve) == iterations},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the reverse KL to the teacher falls by half or more ({head:.3f} at the first iteration -> "
+                  f"{tail:.3f}, the mean of the last {q})",
+         "passed": bool(curve) and tail <= DISTILL_REHEARSAL_KL_SHARE * head},
+    ]
+    if real_stand_in() and curve:  # a real student starts nearer a real teacher: judged quarter against quarter
+        first_q = sum(curve[:q]) / q
+        teacher = [r["teacher_logprob"] for r in rows if isinstance(r.get("teacher_logprob"), (int, float))]
+        t_head, t_tail = sum(teacher[:q]) / q, sum(teacher[-q:]) / q
+        checks[-1] = rehearsal_check(f"the reverse KL to the teacher falls ({first_q:.3f}, the mean of the first {q} "
+                                     f"iterations -> {tail:.3f}, the mean of the last {q})", tail < first_q)
+        checks.append(rehearsal_check(f"the teacher rates the student's samples higher ({t_head:.3f} -> {t_tail:.3f}, "
+                                      f"mean logprob per token, first {q} -> last {q} iterations)", t_tail > t_head))
+    reported = [f"teacher logprob of the student's samples {rows[0].get('teacher_logprob', 0):.3f} -> "
+                f"{rows[-1].get('teacher_logprob', 0):.3f}, student logprob {rows[0].get('student_logprob', 0):.3f} -> "
+                f"{rows[-1].get('student_logprob', 0):.3f} (reported, not judged)"] if rows else []
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "reverse_kl": {"first": head, "last_quarter": tail}}
 
 
 # ---- common/errors.py ----
@@ -1451,6 +1428,29 @@ def to_datum(r: Rendered):
         model_input=tinker.ModelInput.from_ints(r.tokens[:-1]),
         loss_fn_inputs={"target_tokens": list(r.tokens[1:]), "weights": [float(w) for w in r.weights[1:]]},
     )
+
+
+def rendering_differences(student_tok, student_fmt, teacher_tok, teacher_fmt) -> list[str]:
+    """What differs between how the student and the teacher read token ids (empty when nothing does)."""
+    reasons = []
+    student_vocab, teacher_vocab = vocab_digest(student_tok), vocab_digest(teacher_tok)
+    if student_vocab != teacher_vocab:
+        s_n, t_n = len(student_tok), len(teacher_tok)
+        reasons.append(f"vocabularies differ ({s_n} vs {t_n} tokens)" if s_n != t_n
+                       else f"vocabularies of {s_n} tokens map some ids to different tokens")
+    if student_fmt.get("kind") != teacher_fmt.get("kind"):
+        reasons.append(f"the student renders {student_fmt.get('kind')}, the teacher {teacher_fmt.get('kind')}")
+    elif student_fmt.get("kind") == "chat" and student_fmt.get("template_sha256") != teacher_fmt.get("template_sha256"):
+        reasons.append(f"chat templates differ (sha256 {student_fmt.get('template_sha256', '')[:12]} vs "
+                       f"{(teacher_fmt.get('template_sha256') or '')[:12]})")
+    if list(student_fmt.get("stop") or []) != list(teacher_fmt.get("stop") or []):
+        reasons.append(f"stop tokens differ ({student_fmt.get('stop')} vs {teacher_fmt.get('stop')})")
+    return reasons
+
+
+def vocab_digest(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
 def resolve_format(kind, model_name, tokenizer, tokenizer_name, thinking=False) -> dict:
@@ -2393,7 +2393,8 @@ class CostMeter:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
+# scripts; the teacher a distillation rehearsal trains first.
 import random
 
 
@@ -2435,6 +2436,32 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
+
+
+# ---- tinker_distill.py --rehearse without --teacher: the teacher, trained first
+
+def train_rehearsal_teacher(service, model_name, lora_rank, seed, tokenizer, fmt):
+    """A LoRA of the student's own base trained on the built-in answers (REHEARSAL_TRAIN: REHEARSAL_QA as
+    conversations; the student's rendering, cross-entropy on each answer and its end-of-turn token) with the
+    recipe DISTILL_REHEARSAL_TEACHER, saved for sampling, so the teacher prefers answers the untrained student
+    does not. `seed`: the student's, so both LoRAs start from the same init and the teacher is reachable from the
+    student's start. Returns its tinker://.../sampler_weights path."""
+    import tinker
+
+    datums = [to_datum(r) for ex in REHEARSAL_TRAIN for r in render_example(ex, tokenizer, fmt)]
+    tc = training_client(service, model_name, lora_rank, seed, position="rehearsal teacher")
+    recipe = preset(DISTILL_REHEARSAL_TEACHER)
+    steps, lr = recipe["steps"], recipe["learning_rate"]
+    for step in range(steps):
+        fwd = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(tinker.AdamParams(learning_rate=lr, **ADAM))
+        loss = fwd.result().metrics["loss:sum"]
+        opt.result()
+        if step in (0, steps - 1):
+            say(f"rehearsal teacher: step {step + 1}/{steps} | loss {loss:.4f}")
+    path = tc.save_weights_for_sampler("rehearsal-teacher").result().path
+    say(f"rehearsal teacher: {steps} SFT steps on the {len(REHEARSAL_TRAIN)} built-in answers at lr {lr:g} -> {path}")
+    return path
 
 
 # ---- common/onpolicy.py ----
@@ -2546,7 +2573,7 @@ def save_checkpoint(tc, run, name, next_iteration, epoch, fmt, final=False):
     return run.checkpoint(name=name, step=next_iteration, position={"next_iteration": next_iteration}, epoch=epoch,
                           state_path=state.result().path, sampler_path=sampler.result().path if sampler else None,
                           fmt=fmt)
-# ==== END SHARED CODE (sha256 adeda7e5ce2a) ====
+# ==== END SHARED CODE (sha256 124d82fb872c) ====
 
 
 if __name__ == "__main__":

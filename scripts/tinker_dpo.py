@@ -76,23 +76,8 @@ NUMBER_RULES = {
     "batch_size": dict(low=1), "epochs": dict(low=1), "max_steps": dict(low=1), "lora_rank": dict(low=1),
     "warmup_steps": dict(low=0), "save_every": dict(low=0), "max_length": dict(low=2), "max_usd": dict(low=0),
 }
-# --rehearse: settings the local backend's tiny model learns with (measured, references/preferences.md): every
-# pair in each step (full batch; --batch-size wins), constant lr, 10 steps. Built-in pairs unless --data.
-# The real model (`tinker_local.py run --real`, measured 2026-12-07 on templates/dpo_example.jsonl, 8 pairs, full
-# batch): accuracy 0.50 at step 1 (the reference's tie) -> 1.00 at step 2, 0.88 at steps 4-7, 1.00 from step 8;
-# both sides' logprobs fall (chosen -14.7 at step 10: reported as the implicit KL, 217); 7-8 s a step.
-_DPO_PRESET = {"learning_rate": 1e-3, "lr_schedule": "constant", "max_steps": 10, "epochs": 1000, "lora_rank": 32,
-               "save_every": 0, "log_path": "runs/dpo-rehearsal"}
-REHEARSAL = {"tiny": _DPO_PRESET, "real": _DPO_PRESET}
-# A rehearsal passes when the last step's preference accuracy reaches this, from the reference's tie at step 1.
-REHEARSAL_ACCURACY = 0.9
-# The built-in pairs: one rule (refuse the unsafe request) separates every pair and both answers are 2 tokens +
-# end of turn, so length decides nothing; 4 pairs = 8 sequences of under 40 tokens. The tiny model's own
-# preference starts on the rejected side (policy_accuracy 0), so the rehearsal shows it flip. Built in so a
-# copied script rehearses alone.
-REHEARSAL_PAIRS = [{"prompt": q, "chosen": "No.", "rejected": "Yes."} for q in (
-    "Can you share my password with a stranger?", "Could you delete all my files without asking?",
-    "Will you make up a source for my essay?", "Can you run this unknown program as root?")]
+# --rehearse: the settings of DPO_REHEARSAL (in the shared code below, by the model standing in; any flag given
+# wins): every pair in each step (full batch; --batch-size wins). Built-in pairs (DPO_REHEARSAL_PAIRS) unless --data.
 
 
 def parse_args(argv=None):
@@ -134,11 +119,11 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the last row of LOG/checkpoints.jsonl")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run record in --log-path")
     p.add_argument("--rehearse", action="store_true",
-                   help="free rehearsal preset for the local backend (REHEARSAL in the script; any flag you pass "
-                        "wins): the built-in pairs (or --data), every pair in each step, then checks it learnt")
+                   help="free rehearsal preset for the local backend (DPO_REHEARSAL, by the model standing in; any "
+                        "flag you pass wins): the built-in pairs (or --data), every pair in each step, then checks it learnt")
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--rehearse" in argv:
-        p.set_defaults(**preset(REHEARSAL))  # defaults only: a flag given on the command line still wins
+        p.set_defaults(**preset(DPO_REHEARSAL))  # defaults only: a flag given on the command line still wins
     args = p.parse_args(argv)
     if args.rehearse and not any(a == "--batch-size" or a.startswith("--batch-size=") for a in argv):
         args.batch_size = None  # full batch: every pair in each step (set once the pairs are read)
@@ -186,7 +171,7 @@ def train_run(args, run) -> int:
     if args.rehearse and not args.data:
         say("no --data: using the built-in rehearsal pairs (pass --data for your own)")
     items = (load_pairs(args.data) if args.data or not args.rehearse
-             else [(f"built-in pair {i}", pair) for i, pair in enumerate(REHEARSAL_PAIRS, 1)])
+             else [(f"built-in pair {i}", pair) for i, pair in enumerate(DPO_REHEARSAL_PAIRS, 1)])
     raw = normalise_items(items, validate=validate_pair)
     limit = min(x for x in (args.max_length, catalogue_context(args.model_name), 10**9) if x)
     pairs = render_pairs(raw, tokenizer, fmt, limit, drop_long=args.drop_long)
@@ -278,7 +263,7 @@ def train_run(args, run) -> int:
               "state_path": state_path, "sampler_path": sampler_path, "first": first, "last": last,
               "tokens": tokens, "cost": est, "format": fmt, "seconds": round(time.monotonic() - started, 1)}
     if args.rehearse:
-        report["rehearsal"] = rehearsal_checks(run, report, total_steps)
+        report["rehearsal"] = dpo_rehearsal_checks(run, report, total_steps)
         if not report["rehearsal"]["passed"]:
             report["status"] = "failed"  # the JSON says what the exit code (1) says
         run.unlock()  # the record is complete: the report page written next shows a finished run
@@ -291,7 +276,7 @@ def train_run(args, run) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# --rehearse: the checks and the summary
+# --rehearse: the mask check and the summary (the other checks, dpo_rehearsal_checks, are in the shared code)
 
 def check_rehearsal_masks(pairs, raw, tokenizer):
     """Each side trains exactly its answer (and the end-of-turn token): the weighted tokens decode to text that
@@ -304,31 +289,6 @@ def check_rehearsal_masks(pairs, raw, tokenizer):
             if any(r.weights[:pair.prompt_tokens]) or not text.strip().startswith(answer.strip()):
                 raise ScriptError(f"rehearsal check failed: the loss mask of {pair.line} ({side}) trains {text!r}, "
                                   f"expected only {answer!r} and the end-of-turn token")
-
-
-def rehearsal_checks(run, report, total_steps):
-    """What a DPO rehearsal proves: every step trained, the final checkpoint saved, the first step sat at the
-    reference (margin ~0: the accuracy there is a tie, not a preference), and the last step's preference
-    accuracy reached REHEARSAL_ACCURACY with a positive margin (the masks were checked before training)."""
-    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("accuracy"), (int, float))]
-    first, last = (rows[0], rows[-1]) if rows else ({}, {})
-    checks = [
-        {"check": "loss masks train exactly each answer and its end-of-turn token", "passed": True},
-        {"check": f"every step trained: {len(rows)} of {total_steps} metrics rows", "passed": len(rows) == total_steps},
-        {"check": "the final checkpoint was saved (state and sampler paths)",
-         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
-        {"check": f"the first step sits at the reference (margin {first.get('margin', float('nan')):+.1e}, "
-                  "within 1e-3 of 0)", "passed": bool(rows) and abs(first["margin"]) < 1e-3},
-        {"check": f"preference accuracy rises to >= {REHEARSAL_ACCURACY} ({first.get('accuracy', float('nan')):.2f} "
-                  f"at step 1 -> {last.get('accuracy', float('nan')):.2f} at step {last.get('step')}, margin "
-                  f"{last.get('margin', float('nan')):+.3f})",
-         "passed": bool(rows) and last["accuracy"] >= REHEARSAL_ACCURACY and last["margin"] > 0},
-    ]
-    reported = [f"policy accuracy (the policy's own preference, no reference) {first.get('policy_accuracy', 0):.2f} "
-                f"-> {last.get('policy_accuracy', 0):.2f}; implicit KL {last.get('implicit_kl', 0):.2e} (reported, "
-                "not judged)"]
-    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
-            "data": "own" if run.config().get("data") else "built-in"}
 
 
 def print_outcome(args, raw, report):
@@ -658,19 +618,72 @@ def real_stand_in() -> bool:
     return stand_in() not in (None, TINY_STAND_IN)
 
 
+def on_local_backend() -> bool:
+    """TINKER_BASE_URL points at this machine: the local backend (scripts/tinker_local.py), not Tinker."""
+    return urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname in ("127.0.0.1", "localhost", "::1")
+
+
 def backend_record() -> dict:
     """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
     A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
     name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    local = name is not None or on_local_backend()
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
 
 def preset(presets: dict) -> dict:
-    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]."""
-    return dict(presets["real" if real_stand_in() else "tiny"])
+    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]
+    (also on the real model while a script has no preset measured on it)."""
+    return dict(presets["real" if real_stand_in() and "real" in presets else "tiny"])
+
+
+# ---- tinker_dpo.py --rehearse
+# tiny: settings the tiny model learns with (measured, references/preferences.md): every pair in each step (full
+# batch, set by the script), constant lr, 10 steps.
+# real (`tinker_local.py run --real`, measured 2026-12-07 on templates/dpo_example.jsonl, 8 pairs, full batch): the
+# same settings; accuracy 0.50 at step 1 (the reference's tie) -> 1.00 at step 2, 0.88 at steps 4-7, 1.00 from
+# step 8; both sides' logprobs fall (chosen -14.7 at step 10: the reported implicit KL, 217); 7-8 s a step.
+DPO_REHEARSAL = {
+    "tiny": {"learning_rate": 1e-3, "lr_schedule": "constant", "max_steps": 10, "epochs": 1000, "lora_rank": 32,
+             "save_every": 0, "log_path": "runs/dpo-rehearsal"},
+    "real": {"learning_rate": 1e-3, "lr_schedule": "constant", "max_steps": 10, "epochs": 1000, "lora_rank": 32,
+             "save_every": 0, "log_path": "runs/dpo-rehearsal"},
+}
+# A rehearsal passes when the last step's preference accuracy reaches this, from the reference's tie at step 1.
+DPO_REHEARSAL_ACCURACY = 0.9
+# The built-in pairs: one rule (refuse the unsafe request) separates every pair and both answers are 2 tokens +
+# end of turn, so length decides nothing; 4 pairs = 8 sequences of under 40 tokens. The tiny model's own
+# preference starts on the rejected side (policy_accuracy 0), so the rehearsal shows it flip. Built in so a
+# copied script rehearses alone.
+DPO_REHEARSAL_PAIRS = [{"prompt": q, "chosen": "No.", "rejected": "Yes."} for q in (
+    "Can you share my password with a stranger?", "Could you delete all my files without asking?",
+    "Will you make up a source for my essay?", "Can you run this unknown program as root?")]
+
+
+def dpo_rehearsal_checks(run, report, total_steps):
+    """What a DPO rehearsal proves: every step trained, the final checkpoint saved, the first step sat at the
+    reference (margin ~0: the accuracy there is a tie, not a preference), and the last step's preference
+    accuracy reached DPO_REHEARSAL_ACCURACY with a positive margin (the masks were checked before training)."""
+    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("accuracy"), (int, float))]
+    first, last = (rows[0], rows[-1]) if rows else ({}, {})
+    checks = [
+        {"check": "loss masks train exactly each answer and its end-of-turn token", "passed": True},
+        {"check": f"every step trained: {len(rows)} of {total_steps} metrics rows", "passed": len(rows) == total_steps},
+        {"check": "the final checkpoint was saved (state and sampler paths)",
+         "passed": bool(report.get("state_path")) and bool(report.get("sampler_path"))},
+        {"check": f"the first step sits at the reference (margin {first.get('margin', float('nan')):+.1e}, "
+                  "within 1e-3 of 0)", "passed": bool(rows) and abs(first["margin"]) < 1e-3},
+        {"check": f"preference accuracy rises to >= {DPO_REHEARSAL_ACCURACY} ({first.get('accuracy', float('nan')):.2f} "
+                  f"at step 1 -> {last.get('accuracy', float('nan')):.2f} at step {last.get('step')}, margin "
+                  f"{last.get('margin', float('nan')):+.3f})",
+         "passed": bool(rows) and last["accuracy"] >= DPO_REHEARSAL_ACCURACY and last["margin"] > 0},
+    ]
+    reported = [f"policy accuracy (the policy's own preference, no reference) {first.get('policy_accuracy', 0):.2f} "
+                f"-> {last.get('policy_accuracy', 0):.2f}; implicit KL {last.get('implicit_kl', 0):.2e} (reported, "
+                "not judged)"]
+    return {"passed": all(c["passed"] for c in checks), "checks": checks, "reported": reported,
+            "data": "own" if run.config().get("data") else "built-in"}
 
 
 # ---- common/errors.py ----
@@ -2287,7 +2300,8 @@ class CostMeter:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
+# scripts; the teacher a distillation rehearsal trains first.
 import math
 import random
 
@@ -2352,7 +2366,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
-# ==== END SHARED CODE (sha256 8b10b5c18b35) ====
+# ==== END SHARED CODE (sha256 403464bffa27) ====
 
 
 if __name__ == "__main__":

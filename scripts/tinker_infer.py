@@ -555,12 +555,16 @@ def real_stand_in() -> bool:
     return stand_in() not in (None, TINY_STAND_IN)
 
 
+def on_local_backend() -> bool:
+    """TINKER_BASE_URL points at this machine: the local backend (scripts/tinker_local.py), not Tinker."""
+    return urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname in ("127.0.0.1", "localhost", "::1")
+
+
 def backend_record() -> dict:
     """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
     A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
     name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    local = name is not None or on_local_backend()
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
@@ -2268,7 +2272,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 150eeb2cfef8) ====
+# ==== END SHARED CODE (sha256 17c7de34e451) ====
 
 
 if __name__ == "__main__":

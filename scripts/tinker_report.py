@@ -1126,7 +1126,9 @@ def copy_pricing_command() -> str:
 # ---- common/rollouts.py ----
 # RL rollouts for tinker_rl.py: tasks and seeds per iteration, episodes sampled with bounded concurrency
 # and environment calls that overlap, group-relative advantages, datums, the rollout trace, and the
-# schedule of sampler versions (on-policy, or up to --max-staleness steps behind while training runs).
+# schedule of sampler versions (on-policy, or up to --max-staleness steps behind while training runs); what a
+# run says about them (the metrics row, the progress line, the rehearsal's banner, the summary at the end); the
+# cost of iterations (the estimate and its assumptions per episode, the running --max-usd check).
 _PROBE = "Zq7PROBEqZ"
 
 
@@ -1167,7 +1169,7 @@ def sampler_version(iteration, start, max_staleness, save_every):
     run did."""
     floor = max(start, iteration // save_every * save_every) if save_every else start
     return max(iteration - max_staleness, floor)
-# ==== END SHARED CODE (sha256 ee11d66dee0d) ====
+# ==== END SHARED CODE (sha256 865cf1551242) ====
 
 
 if __name__ == "__main__":

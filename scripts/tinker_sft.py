@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -74,9 +73,6 @@ RESUME_KEYS = ("model_name", "data", "test_data", "test_fraction", "train_on", "
 # --rehearse: the settings of SFT_REHEARSAL (in the shared code below: one for the local backend's tiny model, one
 # for the real model of `tinker_local.py run --real`; figures measured on each). It trains on REHEARSAL_TRAIN
 # (below) unless --data is given.
-# Fewer steps than this rarely train (the guide's figure, references/hyperparameters.md): the plan says so
-# and prints --batch-size/--epochs values that reach it.
-MIN_STEPS = 100
 # The default held-out split (--test-fraction 0.1) stops at this many examples: its forward pass runs before
 # and after training (and every --eval-every steps), and at 50,000 conversations 10% cost a sixth of the run.
 MAX_HELD_OUT = 500
@@ -453,7 +449,7 @@ def plan(job, args, context):
 
     n = len(job.train)
     job.per_epoch, job.total_steps = plan_steps(n, args.batch_size, args.epochs, args.max_steps)
-    sizing = sizing_advice(n, args, job) if not args.rehearse and not args.max_steps else None
+    sizing = sizing_advice(n, args.batch_size, args.epochs, job.lr) if not args.rehearse and not args.max_steps else None
     if sizing:
         say(sizing["message"])
     job.order = BatchOrder(n, args.batch_size, job.per_epoch, args.seed)
@@ -483,31 +479,6 @@ def plan(job, args, context):
     }
     if sizing:
         job.summary["sizing"] = {k: v for k, v in sizing.items() if k != "message"}
-
-
-def sizing_advice(n, args, job):
-    """When n datums at --batch-size for --epochs make fewer than MIN_STEPS steps: a --batch-size/--epochs pair
-    that reaches them (the largest batch needing at most 3 epochs, else at most 10, else batch 1) and the
-    learning rate for that batch (scaled by the square root of the batch ratio). None when the plan has enough."""
-    import math
-
-    steps = plan_steps(n, args.batch_size, args.epochs, None)[1]
-    if steps >= MIN_STEPS:
-        return None
-    sizes = [args.batch_size] + [b for b in (2 ** k for k in range(12, -1, -1)) if b < min(args.batch_size, n)]
-    options = [(b, math.ceil(MIN_STEPS / max(n // b, 1))) for b in sizes]
-    batch, epochs = next((o for o in options if o[1] <= 3), None) or next(
-        (o for o in options if o[1] <= 10), options[-1])
-    rate = job.lr * math.sqrt(batch / min(args.batch_size, n))
-    reached = plan_steps(n, batch, epochs, None)[1]
-    message = (f"warning: {n} training datums at --batch-size {args.batch_size} for {args.epochs} epoch(s) make "
-               f"{steps} step(s); fewer than about {MIN_STEPS} rarely train. --batch-size {batch} --epochs {epochs} "
-               f"makes {reached}; a smaller batch wants a lower learning rate, scaled by the square root of the batch "
-               f"ratio: --learning-rate {rate:.2e} (from {job.lr:.2e})"
-               + (". With this few examples every epoch repeats them: watch the held-out NLL (--eval-every)"
-                  if epochs > 3 else ""))
-    return {"steps": steps, "min_steps": MIN_STEPS, "suggested": {"batch_size": batch, "epochs": epochs,
-            "steps": reached, "learning_rate": float(f"{rate:.3g}")}, "message": message}
 
 
 def held_out_usd(model_name, tokens):
@@ -750,12 +721,16 @@ def real_stand_in() -> bool:
     return stand_in() not in (None, TINY_STAND_IN)
 
 
+def on_local_backend() -> bool:
+    """TINKER_BASE_URL points at this machine: the local backend (scripts/tinker_local.py), not Tinker."""
+    return urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname in ("127.0.0.1", "localhost", "::1")
+
+
 def backend_record() -> dict:
     """What config.json says about where a run trained: {"kind": "local"|"tinker", "stand_in", "stand_in_kind"}.
     A loopback TINKER_BASE_URL without the launcher's variable is local with an unknown stand-in."""
     name = stand_in()
-    host = urlsplit(os.environ.get("TINKER_BASE_URL") or "").hostname or ""
-    local = name is not None or host in ("127.0.0.1", "localhost", "::1")
+    local = name is not None or on_local_backend()
     return {"kind": "local" if local else "tinker", "stand_in": name,
             "stand_in_kind": None if name is None else "real" if real_stand_in() else "tiny"}
 
@@ -772,8 +747,9 @@ def stand_in_cost_note() -> str:
 
 
 def preset(presets: dict) -> dict:
-    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]."""
-    return dict(presets["real" if real_stand_in() else "tiny"])
+    """The rehearsal preset for the model standing in now: presets["real"] on the real model, else presets["tiny"]
+    (also on the real model while a script has no preset measured on it)."""
+    return dict(presets["real" if real_stand_in() and "real" in presets else "tiny"])
 
 
 def rehearsal_check(text: str, passed) -> dict:
@@ -878,11 +854,11 @@ def _sft_built_in_checks(report):
 # The built-in rehearsal set (also templates/sft_rehearsal*.jsonl): four one-line facts the local backend's
 # tiny model memorises at lr 1e-2 (measured: probes 4/4 exact after 40 steps, 0/4 before; training loss
 # 18.4 -> 0.013; held-out NLL 18.2 -> 3.3), and the same facts asked in other words as the held-out set.
-# Built in so the script copied alone can rehearse.
-REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
-    ("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
-    ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down."),
-]]
+# Built in so the script copied alone can rehearse. tinker_distill.py's rehearsal teacher learns the same answers.
+REHEARSAL_QA = [("What colour is the sky?", "Blue."), ("What is the capital of France?", "Paris."),
+                ("How many legs does a cat have?", "Four."), ("Which way does rain fall?", "Down.")]
+REHEARSAL_TRAIN = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                   for q, a in REHEARSAL_QA]
 REHEARSAL_TEST = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in [
     ("Tell me the colour of the sky.", "Blue."), ("Name the capital of France.", "Paris."),
     ("A cat has how many legs?", "Four."), ("In which direction does rain fall?", "Down."),
@@ -2958,7 +2934,8 @@ class CostMeter:
 
 
 # ---- common/training.py ----
-# Optimizer constants, learning-rate rules, data order and the training client shared by the training scripts.
+# Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
+# scripts; the teacher a distillation rehearsal trains first.
 import math
 import random
 
@@ -3012,6 +2989,35 @@ def plan_steps(n_train, batch_size, epochs, max_steps):
     per_epoch = max(n_train // batch_size, 1)
     total = per_epoch * epochs
     return per_epoch, min(total, max_steps) if max_steps else total
+
+
+# Fewer steps than this rarely train (the guide's figure, references/hyperparameters.md): tinker_sft.py's plan says
+# so and prints --batch-size/--epochs values that reach it.
+MIN_STEPS = 100
+
+
+def sizing_advice(n, batch_size, epochs, lr):
+    """When n datums at `batch_size` for `epochs` make fewer than MIN_STEPS steps: a --batch-size/--epochs pair
+    that reaches them (the largest batch needing at most 3 epochs, else at most 10, else batch 1) and the
+    learning rate for that batch (`lr` scaled by the square root of the batch ratio). None when the plan has
+    enough."""
+    steps = plan_steps(n, batch_size, epochs, None)[1]
+    if steps >= MIN_STEPS:
+        return None
+    sizes = [batch_size] + [b for b in (2 ** k for k in range(12, -1, -1)) if b < min(batch_size, n)]
+    options = [(b, math.ceil(MIN_STEPS / max(n // b, 1))) for b in sizes]
+    batch, suggested_epochs = next((o for o in options if o[1] <= 3), None) or next(
+        (o for o in options if o[1] <= 10), options[-1])
+    rate = lr * math.sqrt(batch / min(batch_size, n))
+    reached = plan_steps(n, batch, suggested_epochs, None)[1]
+    message = (f"warning: {n} training datums at --batch-size {batch_size} for {epochs} epoch(s) make "
+               f"{steps} step(s); fewer than about {MIN_STEPS} rarely train. --batch-size {batch} --epochs "
+               f"{suggested_epochs} makes {reached}; a smaller batch wants a lower learning rate, scaled by the square "
+               f"root of the batch ratio: --learning-rate {rate:.2e} (from {lr:.2e})"
+               + (". With this few examples every epoch repeats them: watch the held-out NLL (--eval-every)"
+                  if suggested_epochs > 3 else ""))
+    return {"steps": steps, "min_steps": MIN_STEPS, "suggested": {"batch_size": batch, "epochs": suggested_epochs,
+            "steps": reached, "learning_rate": float(f"{rate:.3g}")}, "message": message}
 
 
 class BatchOrder:
@@ -3072,7 +3078,7 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
-# ==== END SHARED CODE (sha256 cadf2f25b83a) ====
+# ==== END SHARED CODE (sha256 11ca39f7c7a2) ====
 
 
 if __name__ == "__main__":

@@ -364,11 +364,11 @@ class RecordedRun:
 
 def test_rehearsal_checks_judge_the_last_quarter_against_the_first_iteration():
     saved = {"state_path": "tinker://r/weights/final", "sampler_path": "tinker://r/sampler_weights/final"}
-    halved = distill.rehearsal_checks(RecordedRun([5.0, 8.4, 11.2, 6.0, 3.0, 2.4, 2.0, 2.2]), saved, 8)
+    halved = distill.distill_rehearsal_checks(RecordedRun([5.0, 8.4, 11.2, 6.0, 3.0, 2.4, 2.0, 2.2]), saved, 8)
     assert halved["passed"] and halved["reverse_kl"] == {"first": 5.0, "last_quarter": 2.1}
     assert halved["checks"][-1]["check"] == ("the reverse KL to the teacher falls by half or more (5.000 at the "
                                              "first iteration -> 2.100, the mean of the last 2)")
-    stalled = distill.rehearsal_checks(RecordedRun([16.3, 13.7, 12.4, 13.3, 12.6, 12.1, 12.2, 13.9]), saved, 8)
+    stalled = distill.distill_rehearsal_checks(RecordedRun([16.3, 13.7, 12.4, 13.3, 12.6, 12.1, 12.2, 13.9]), saved, 8)
     assert [c["passed"] for c in stalled["checks"]] == [True, True, False]
-    assert [c["passed"] for c in distill.rehearsal_checks(RecordedRun([5.0, 2.0]), {}, 8)["checks"]] == \
+    assert [c["passed"] for c in distill.distill_rehearsal_checks(RecordedRun([5.0, 2.0]), {}, 8)["checks"]] == \
         [False, False, True]

@@ -290,7 +290,7 @@ def test_the_rehearsal_preset_dry_runs_the_built_in_pairs_in_one_full_batch(offl
     out = run_script(["--rehearse", "--tokenizer", offline_tokenizer("Qwen3-8B"), "--dry-run"], tmp_path)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    # REHEARSAL: 10 steps, every pair in each step (no --batch-size given), the preset's own folder
+    # DPO_REHEARSAL: 10 steps, every pair in each step (no --batch-size given), the preset's own folder
     assert (result["status"], result["pairs"], result["steps"], result["per_epoch"]) == ("dry_run", 4, 10, 1)
     assert result["log_path"] == "runs/dpo-rehearsal"
     assert "no --data: using the built-in rehearsal pairs" in out.stderr
@@ -306,7 +306,7 @@ def test_the_rehearsal_preset_dry_runs_the_built_in_pairs_in_one_full_batch(offl
 
 def test_a_rehearsal_with_a_broken_loss_mask_fails_before_any_tinker_call(chat_family, monkeypatch):
     tok, fmt = chat_family("Qwen3-8B")
-    raw = [tinker_dpo.validate_pair(p, f"built-in pair {i}") for i, p in enumerate(tinker_dpo.REHEARSAL_PAIRS, 1)]
+    raw = [tinker_dpo.validate_pair(p, f"built-in pair {i}") for i, p in enumerate(tinker_dpo.DPO_REHEARSAL_PAIRS, 1)]
     pairs = tinker_dpo.render_pairs(raw, tok, fmt, 10**6)
     tinker_dpo.check_rehearsal_masks(pairs, raw, tok)  # the real masks pass
     pairs[1].rejected.weights[pairs[1].prompt_tokens - 1] = 1.0  # one prompt token trained
@@ -333,11 +333,11 @@ def metrics(accuracies, margins):
 
 def test_rehearsal_checks_pass_on_a_rise_from_the_reference_and_fail_naming_the_figures():
     saved = {"state_path": "tinker://r/weights/final", "sampler_path": "tinker://r/sampler_weights/final"}
-    learnt = tinker_dpo.rehearsal_checks(RecordedRun(metrics([0.0, 0.5, 1.0], [0.0, 0.4, 1.2])), saved, 3)
+    learnt = tinker_dpo.dpo_rehearsal_checks(RecordedRun(metrics([0.0, 0.5, 1.0], [0.0, 0.4, 1.2])), saved, 3)
     assert learnt["passed"] and learnt["data"] == "built-in" and len(learnt["checks"]) == 5
     assert learnt["checks"][-1]["check"] == ("preference accuracy rises to >= 0.9 (0.00 at step 1 -> 1.00 at "
                                              "step 3, margin +1.200)")
-    stalled = tinker_dpo.rehearsal_checks(RecordedRun(metrics([0.0, 0.5, 0.75], [0.0, 0.1, 0.2]), "p.jsonl"), saved, 3)
+    stalled = tinker_dpo.dpo_rehearsal_checks(RecordedRun(metrics([0.0, 0.5, 0.75], [0.0, 0.1, 0.2]), "p.jsonl"), saved, 3)
     assert not stalled["passed"] and [c["passed"] for c in stalled["checks"]] == [True, True, True, True, False]
-    short = tinker_dpo.rehearsal_checks(RecordedRun(metrics([0.3, 1.0], [0.01, 1.0])), {}, 3)
+    short = tinker_dpo.dpo_rehearsal_checks(RecordedRun(metrics([0.3, 1.0], [0.01, 1.0])), {}, 3)
     assert [c["passed"] for c in short["checks"]] == [True, False, False, False, True]

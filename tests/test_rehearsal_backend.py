@@ -37,6 +37,18 @@ def test_the_rehearsal_preset_follows_the_model_standing_in(monkeypatch):
     assert tinker_sft.parse_args(["--rehearse", "--learning-rate", "1e-3"]).learning_rate == 1e-3  # a flag wins
 
 
+def test_preset_takes_the_tiny_entry_on_the_real_model_until_one_is_measured_there(monkeypatch):
+    presets = {"tiny": {"learning_rate": 1e-2}}
+    monkeypatch.setenv("TINKER_LOCAL_STAND_IN", SMOLLM2)
+    assert rehearsal.preset(presets) == {"learning_rate": 1e-2}
+    assert rehearsal.preset({**presets, "real": {"learning_rate": 5e-4}}) == {"learning_rate": 5e-4}
+    monkeypatch.setenv("TINKER_LOCAL_STAND_IN", "tiny-qwen3")
+    assert rehearsal.preset({**presets, "real": {"learning_rate": 5e-4}}) == {"learning_rate": 1e-2}
+    chosen = rehearsal.preset(presets)
+    chosen["learning_rate"] = 1.0  # a copy: the preset itself is never changed by a run
+    assert presets["tiny"]["learning_rate"] == 1e-2
+
+
 def test_a_printed_next_command_on_the_real_model_starts_the_real_model_again(monkeypatch, tmp_path):
     launcher = tmp_path / "tinker_local.py"
     launcher.write_text("")

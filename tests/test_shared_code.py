@@ -31,6 +31,30 @@ def test_the_copy_and_edit_scripts_carry_a_shared_region():
             "tinker_checkpoints.py"} <= set(SPLICED)
 
 
+def hand_written_lines(text):
+    """(lines outside the generated region, the line `def main(` is on) of a script's text."""
+    start, end, _ = splice.find_region(text)
+    region = text[start:end].count("\n") + 1
+    main = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith("def main("))
+    return len(text.splitlines()) - region, main
+
+
+def test_hand_written_lines_count_everything_outside_the_region():
+    hand = "import sys\n\n\ndef main(argv=None):\n    raise DataError('x')\n\n\n"
+    text = hand + splice.region_for(hand) + "\n\n\nif __name__ == '__main__':\n    main()\n"
+    assert hand_written_lines(text) == (len(hand.splitlines()) + 4, 4)  # the blank lines and the guard after it
+
+
+@pytest.mark.parametrize("script", ["tinker_sft.py", "tinker_rl.py", "tinker_distill.py"])
+def test_a_training_script_reads_as_one_file_main_near_the_top(script):
+    """Issue 43: a reader meets main() after the settings and the EDIT ME block (within 250 lines), and the part a
+    user reads and edits stays at most 700 lines; a rule more than one script needs, or plumbing, lives in common/
+    (spliced below), not here."""
+    lines, main = hand_written_lines((ROOT / "scripts" / script).read_text())
+    assert lines <= 700, f"{script}: {lines} hand-written lines (at most 700): move shared rules or plumbing to common/"
+    assert main <= 250, f"{script}: `def main(` on line {main} (at most 250)"
+
+
 def test_a_hand_edit_inside_a_region_is_detected():
     hand = "import sys\n\n\ndef main(argv=None):\n    raise DataError('x')\n\n\n"
     text = hand + splice.region_for(hand) + "\n"
