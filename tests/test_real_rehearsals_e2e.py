@@ -44,26 +44,6 @@ def test_a_dpo_rehearsal_on_the_users_pairs_raises_preference_accuracy(local_rea
     assert config["format"]["stop"] == [2]  # SmolLM2's <|im_end|>: the pairs were rendered by its template
 
 
-def test_distilling_the_real_sft_checkpoint_into_the_base_lowers_the_reverse_kl(local_real_sft_run, local_real_tinker,
-                                                                             tmp_path):
-    assert local_real_sft_run.returncode == 0, local_real_sft_run.stderr[-2000:]
-    log = tmp_path / "runs" / "distill-real"
-    out, report = run_script("tinker_distill.py", [
-        "--rehearse", "--teacher", str(local_real_sft_run.log), "--prompts",
-        str(ROOT / "templates" / "sft_example.jsonl"), "--log-path", str(log)], local_real_tinker.env, tmp_path)
-    assert out.returncode == 0 and report["status"] == "ok", out.stderr[-3000:]
-    assert all(c["passed"] for c in report["rehearsal"]["checks"]), report["rehearsal"]
-    curve = rows(log / "metrics.jsonl")
-    q = max(1, len(curve) // 4)
-    head = sum(r["reverse_kl"] for r in curve[:q]) / q
-    tail = sum(r["reverse_kl"] for r in curve[-q:]) / q
-    assert tail < head, [r["reverse_kl"] for r in curve]
-    teacher_head = sum(r["teacher_logprob"] for r in curve[:q]) / q
-    teacher_tail = sum(r["teacher_logprob"] for r in curve[-q:]) / q
-    assert teacher_tail > teacher_head, [r["teacher_logprob"] for r in curve]
-    assert "rehearsal teacher" not in out.stderr  # the real teacher given, none trained
-
-
 def test_after_a_tool_call_warm_up_the_rl_rehearsal_reaches_the_environments_own_tool(local_real_tinker, tmp_path):
     warm = tmp_path / "runs" / "tool-warmup"
     out, sft = run_script("tinker_sft.py", [
