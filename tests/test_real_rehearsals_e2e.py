@@ -1,10 +1,8 @@
-"""The rehearsals of DPO, distillation and multi-turn tool RL on the local backend's real model (SmolLM2-135M-Instruct,
+"""The rehearsals of DPO and multi-turn tool RL on the local backend's real model (SmolLM2-135M-Instruct,
 `tinker_local.py run --real`), end to end through the real SDK on the session's real-model server
 (`local_real_tinker`): each proves the user's task, not only the plumbing.
 
 - DPO on the user's pairs (templates/dpo_example.jsonl): preference accuracy rises from the reference's tie.
-- Distillation from a real teacher (the session's real-model SFT checkpoint, `local_real_sft_run`) into the base:
-  the reverse KL to the teacher falls and the teacher rates the student's samples higher.
 - Tools: a short SFT warm-up on tool-call examples (templates/sft_tool_warmup.jsonl), then `tinker_rl.py --env
   calculator --init-from` it: the environment's own parser, env_step() and reward() run on calls the model wrote
   (env/tool_calls > 0 in metrics.jsonl)."""
