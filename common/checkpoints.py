@@ -44,7 +44,7 @@ def check_sampler_path(path: str, flag: str = "--model") -> None:
     samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
     same_name = f"tinker://{run}/sampler_weights/{name}"
     if same_name in samplers:
-        hint = f"sample the same run's sampler path; next: {edited_command({flag: same_name})}"
+        hint = f"sample the same run's sampler path {same_name}; next: {edited_command({flag: same_name})}"
     elif samplers:
         hint = f"this run's newest sampler path is {samplers[0]}; next: {edited_command({flag: samplers[0]})}"
     else:

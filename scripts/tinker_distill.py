@@ -62,6 +62,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import random
 import sys

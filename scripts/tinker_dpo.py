@@ -12,7 +12,7 @@
 
 Run:
     # audit for free (no Tinker call): renders both sides of every pair, checks the masks, estimates the cost
-    uv run tinker_dpo.py --data dpo_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
+    uv run tinker_dpo.py --data dpo_example.jsonl --dry-run    # offline: add --tokenizer DIR (a saved tokenizer)
     # free rehearsal on the local backend: the tiny model learns the built-in pairs (accuracy -> 1.0), then checks
     python tinker_local.py run -- python tinker_dpo.py --rehearse --overwrite
     # ... or rehearse your own pairs (masks, reference pass, steps, checkpoints, rising accuracy), full batch
@@ -63,6 +63,9 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
+import os
+import sys
 import time
 
 DEFAULT_MODEL = "Qwen/Qwen3-8B"

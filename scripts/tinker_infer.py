@@ -1988,7 +1988,7 @@ def check_sampler_path(path: str, flag: str = "--model") -> None:
     samplers = [c.tinker_path for c in run_checkpoints(run) if c.checkpoint_type == "sampler"]
     same_name = f"tinker://{run}/sampler_weights/{name}"
     if same_name in samplers:
-        hint = f"sample the same run's sampler path; next: {edited_command({flag: same_name})}"
+        hint = f"sample the same run's sampler path {same_name}; next: {edited_command({flag: same_name})}"
     elif samplers:
         hint = f"this run's newest sampler path is {samplers[0]}; next: {edited_command({flag: samplers[0]})}"
     else:
@@ -2272,7 +2272,7 @@ def write_jsonl(out: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(partial, out)
-# ==== END SHARED CODE (sha256 17c7de34e451) ====
+# ==== END SHARED CODE (sha256 9b97af74a8cb) ====
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
 
 Run:
     # check for free (no Tinker call): renders every prompt, checks the tasks, estimates the cost
-    uv run tinker_rl.py --dry-run --tokenizer PATH/TO/TOKENIZER
+    uv run tinker_rl.py --dry-run              # offline: add --tokenizer DIR (a saved tokenizer folder)
     # rehearse for free on the local backend: --rehearse auto trains your reward() when the tiny model's
     # samples vary under it, else a stand-in task it can learn (the script says which)
     python tinker_local.py run -- python tinker_rl.py            # add --env calculator for multi-turn
@@ -32,10 +32,8 @@ Edit:
 
 Outputs:
     LOG/config.json       every setting (never the API key) and the "format" prompts are rendered with
-    LOG/metrics.jsonl     one row per iteration: reward mean/std/min/max, fraction of groups tied,
-                          fraction truncated, tokens sampled/trained, loss, sampler/learner KL, seconds,
-                          sampling retries, sampler version and staleness (groups dropped as too stale),
-                          the tasks and per-group seeds
+    LOG/metrics.jsonl     one row per iteration: reward stats, groups tied, truncation, tokens, loss, KL,
+                          seconds, retries, sampler version/staleness, the tasks and per-group seeds
     LOG/checkpoints.jsonl one row per save: name, step, next_iteration, epoch, state_path, sampler_path, format
     LOG/rollouts.jsonl    one row per rollout (every --trace-every iterations): tokens, sampler logprobs,
                           sampler version and staleness, reward, advantage, trained or not, per-turn
@@ -71,9 +69,12 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import operator
+import os
 import random
 import re
+import sys
 import time
 
 # ==== SETTINGS ====
@@ -187,9 +188,8 @@ def parse_args(argv=None):
 
 
 # ==== EDIT ME: TASKS, render_prompt(), reward(), env_step(), ENV_NAME, TOOLS, SYSTEM_PROMPT, REHEARSAL_TURNS ====
-# Everything an environment is lives here; nothing outside this block needs an edit for a new one. A block
-# written before ENV_NAME, TOOLS, SYSTEM_PROMPT and REHEARSAL_TURNS existed still runs (they default to
-# "single", None, None, None).
+# Everything an environment is lives here; nothing outside this block needs an edit for a new one. os, sys,
+# json, math, random, re are imported above. ENV_NAME, TOOLS, SYSTEM_PROMPT, REHEARSAL_TURNS may be left out.
 # Single-turn example: multiply two numbers in one reply. Qwen3-8B gets some but not all right, so
 # groups disagree and there is a gradient (a task every sample passes, or every sample fails, teaches
 # nothing: the script stops if the base policy ties every group).

@@ -12,7 +12,7 @@
 
 Run:
     # audit for free (no Tinker call): renders, masks, counts tokens, estimates the cost
-    uv run tinker_sft.py --data sft_example.jsonl --tokenizer PATH/TO/TOKENIZER --dry-run
+    uv run tinker_sft.py --data sft_example.jsonl --dry-run    # offline: add --tokenizer DIR (a saved tokenizer)
     # train: aim for about 100 steps or more (1,000 examples at the default --batch-size 32 make 31 an
     # epoch, so --epochs 3); with fewer, the dry run prints --batch-size/--epochs values that reach it
     uv run tinker_sft.py --data my_data.jsonl --epochs 3 --model-name Qwen/Qwen3-8B --log-path runs/sft1 --max-usd 5
@@ -58,6 +58,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
+import math
 import os
 import sys
 import time

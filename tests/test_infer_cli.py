@@ -119,11 +119,13 @@ def test_input_rows_without_prompt_or_messages_are_refused_with_line_number(tmp_
 
 
 # ---- checkpoint kinds ----
-def test_weights_path_for_sampling_names_the_same_runs_sampler_path(rest_server, capsys):
-    code, result = run(capsys, "--model", STATE, "--prompt", "hi")
+def test_weights_path_for_sampling_names_the_same_runs_sampler_path(rest_server, capsys, monkeypatch):
+    argv = ["--model", STATE, "--prompt", "hi"]
+    monkeypatch.setattr(sys, "argv", [tinker_infer.__file__, *argv])  # as typed: the printed command edits it
+    code, result = run(capsys, *argv)
     assert code == 2
     assert "resumable training state" in result["error"]
-    assert f"--model {SAMPLER}" in result["error"]
+    assert f"tinker_infer.py --model {SAMPLER} --prompt hi" in result["error"]
 
 
 def test_weights_path_over_http_is_refused_before_any_completion_request(rest_server, capsys):

@@ -145,7 +145,10 @@ def wait_for_checkpoint(path, launcher, timeout=900):
     while time.monotonic() < deadline:
         if path.exists() and any(r.get("state_path") for r in rows(path)):
             return rows(path)
-        assert launcher.poll() is None, f"the run ended (exit {launcher.returncode}) before its first checkpoint"
+        if launcher.poll() is not None:
+            _, err = launcher.communicate()
+            raise AssertionError(f"the run ended (exit {launcher.returncode}) before its first checkpoint:\n"
+                                 f"{(err or '')[-3000:]}")
         time.sleep(0.05)
     raise AssertionError(f"no checkpoint row in {path} within {timeout} s")
 

@@ -161,7 +161,7 @@ def test_dpo_prints_a_sample_command_that_runs_as_printed(local_tinker, local_dp
     result = json.loads(out["stdout"].strip().splitlines()[-1])
     import tinker_dpo
 
-    question = tinker_dpo.REHEARSAL_PAIRS[0]["prompt"]
+    question = tinker_dpo.DPO_REHEARSAL_PAIRS[0]["prompt"]
     printed = [next_line(out["stderr"], "next     sample it: "), *json_hints(result)]
     for command in printed:
         assert_pasted_sample_runs("dpo", command, local_dpo_rehearsal.parent.parent, local_tinker.env,

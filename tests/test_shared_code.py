@@ -55,6 +55,18 @@ def test_a_training_script_reads_as_one_file_main_near_the_top(script):
     assert main <= 250, f"{script}: `def main(` on line {main} (at most 250)"
 
 
+@pytest.mark.parametrize("script", ["tinker_sft.py", "tinker_rl.py", "tinker_dpo.py", "tinker_distill.py"])
+def test_the_edit_me_block_runs_with_the_stdlib_modules_a_user_block_reaches_for(script):
+    """A user's own EDIT ME block (a reward reading its file beside the script, a math-based score) runs where it
+    sits: os, sys, json and math are imported above it. The journey test's own reward (os.path, json) crashed
+    with NameError once the imports moved below the block into the generated region."""
+    text = (ROOT / "scripts" / script).read_text()
+    above = ast.parse(text[:text.index("\n# ==== EDIT ME")])
+    bound = {alias.asname or alias.name for node in above.body if isinstance(node, ast.Import) for alias in node.names}
+    assert {"os", "sys", "json", "math"} <= bound, f"{script}: missing above its EDIT ME block: " \
+        f"{sorted({'os', 'sys', 'json', 'math'} - bound)}"
+
+
 def test_a_hand_edit_inside_a_region_is_detected():
     hand = "import sys\n\n\ndef main(argv=None):\n    raise DataError('x')\n\n\n"
     text = hand + splice.region_for(hand) + "\n"
