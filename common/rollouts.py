@@ -585,6 +585,14 @@ async def _cancel_all():
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def reward_label(args) -> str:
+    """Which reward trained (or is reported): the EDIT ME block's reward(), the calculator example's, or the
+    stand-in a tiny model can earn."""
+    if args.reward != "own":
+        return "the stand-in reward"
+    return "the calculator example's reward() (--env calculator)" if args.env == "calculator" else "reward() (EDIT ME)"
+
+
 def print_outcome(args, job, run, rewards, final, usd):
     """A few lines a newcomer can read, as tinker_sft.py ends: what trained, how the reward moved, where it is."""
     q = max(1, len(rewards) // 4)  # rewards: every iteration's reward_mean, the resumed-from ones included
@@ -593,7 +601,7 @@ def print_outcome(args, job, run, rewards, final, usd):
     lines = ["", "==== what happened ====",
              f"trained  {model_label(args.model_name)}, {start}: {args.iterations} iterations of {args.batch_size} "
              f"tasks x {args.group_size} samples ({args.loss_fn}, --learning-rate {args.learning_rate:g}), reward "
-             f"from {'reward() (EDIT ME)' if args.reward == 'own' else 'the stand-in reward'}",
+             f"from {reward_label(args)}",
              f"reward   mean {head:.3f} over the first {q} iteration(s) -> {tail:.3f} over the last {q} "
              f"(per iteration: {', '.join(f'{r:.2f}' for r in rewards[-12:])})",
              f"record   {short_path(run.path)}/ (config.json, metrics.jsonl, rollouts.jsonl, checkpoints.jsonl); "

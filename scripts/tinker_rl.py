@@ -309,7 +309,7 @@ def train_run(args, job, run):
             t1 = time.time()
             batch = build_batch(groups, args.normalize_std, it, args.max_staleness)
             if it == 0 and it == start:  # the reward on the first samples, before any training
-                say(reward_summary(groups, "reward() (EDIT ME)" if args.reward == "own" else "the stand-in reward"))
+                say(reward_summary(groups, reward_label(args)))
                 own = [e.info["own_reward"] for g in groups for e in g.episodes if "own_reward" in e.info]
                 if args.reward != "own" and own:  # the environment's own reward, beside the stand-in
                     say(f"beside it, --env {args.env}'s own reward on the same episodes: mean {sum(own) / len(own):.3f}, "
@@ -2938,6 +2938,14 @@ async def _cancel_all():
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def reward_label(args) -> str:
+    """Which reward trained (or is reported): the EDIT ME block's reward(), the calculator example's, or the
+    stand-in a tiny model can earn."""
+    if args.reward != "own":
+        return "the stand-in reward"
+    return "the calculator example's reward() (--env calculator)" if args.env == "calculator" else "reward() (EDIT ME)"
+
+
 def print_outcome(args, job, run, rewards, final, usd):
     """A few lines a newcomer can read, as tinker_sft.py ends: what trained, how the reward moved, where it is."""
     q = max(1, len(rewards) // 4)  # rewards: every iteration's reward_mean, the resumed-from ones included
@@ -2946,7 +2954,7 @@ def print_outcome(args, job, run, rewards, final, usd):
     lines = ["", "==== what happened ====",
              f"trained  {model_label(args.model_name)}, {start}: {args.iterations} iterations of {args.batch_size} "
              f"tasks x {args.group_size} samples ({args.loss_fn}, --learning-rate {args.learning_rate:g}), reward "
-             f"from {'reward() (EDIT ME)' if args.reward == 'own' else 'the stand-in reward'}",
+             f"from {reward_label(args)}",
              f"reward   mean {head:.3f} over the first {q} iteration(s) -> {tail:.3f} over the last {q} "
              f"(per iteration: {', '.join(f'{r:.2f}' for r in rewards[-12:])})",
              f"record   {short_path(run.path)}/ (config.json, metrics.jsonl, rollouts.jsonl, checkpoints.jsonl); "
@@ -3098,7 +3106,7 @@ def say_assumptions(args, job):
     say(f"estimate assumes per episode: {a['turns']:.3g} turn(s), {a['completion_tokens']:.4g} sampled tokens per "
         f"turn, {a['observation_tokens']:.4g} observation tokens before each later turn, a {a['prompt_tokens']:.0f}-token "
         f"prompt (mean) ({a['source']})")
-# ==== END SHARED CODE (sha256 96e7c9704aa9) ====
+# ==== END SHARED CODE (sha256 a708581523ef) ====
 
 
 if __name__ == "__main__":

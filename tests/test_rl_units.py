@@ -741,3 +741,13 @@ def test_an_iteration_with_every_group_tied_says_it_did_not_train_instead_of_pri
     assert "not trained (no datums: every group tied)" in line and "nan" not in line
     trained = tinker_rl.progress_line(7, 10, dict(row, loss_sum=-1.5, kl_sample_train_v1=2e-7, datums=8))
     assert "loss -1.5 | kl 2.00e-07" in trained and "not trained" not in trained
+
+
+def test_the_reward_is_named_for_the_environment_that_supplies_it():
+    """--env calculator trains the calculator example's reward, not the EDIT ME block's: the first-sample line and
+    the outcome name the right one."""
+    import argparse
+    label = lambda reward, env: tinker_rl.reward_label(argparse.Namespace(reward=reward, env=env))  # noqa: E731
+    assert label("own", "calculator") == "the calculator example's reward() (--env calculator)"
+    assert label("own", "multiply") == "reward() (EDIT ME)"
+    assert label("stand-in", "calculator") == "the stand-in reward"
