@@ -2,9 +2,9 @@
 """Local backend: the real model (SmolLM2-135M-Instruct, `run --real`) against the tiny Qwen3, side by side in one
 run: server ready time, a training step and a sampling call, and optionally whole SFT rehearsals on each.
 
-Run (needs `python scripts/tinker_local.py setup --real` first; starts two servers of its own, ~3-5 minutes):
+Run (needs `python scripts/tinker_local.py setup --real` first; starts two servers of its own, ~2 minutes on 2 cores):
     .venv/bin/python benchmarks/real_model_speed.py
-    .venv/bin/python benchmarks/real_model_speed.py --rounds 10 --sft      # + the SFT rehearsals (~10 min more)
+    .venv/bin/python benchmarks/real_model_speed.py --rounds 10 --sft      # + the SFT rehearsals (~4 min more)
 
 What it does:
   1. Starts a tiny-model server and a real-model server with tinker_local.start_server (one after the other, so

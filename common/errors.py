@@ -60,6 +60,21 @@ def emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
 
 
+def judge_rehearsal(report: dict, verdict: dict | None, figures) -> int:
+    """Print the run's JSON with the rehearsal's verdict (None: nothing judged, status as it is); a failed check
+    sets status "failed" first, then ends the run with exit 1 naming the checks that failed and `figures` (the
+    file that holds the figures they judged)."""
+    if verdict is not None:
+        report["rehearsal"] = verdict
+        if not verdict["passed"]:
+            report["status"] = "failed"  # the JSON says what the exit code (1) says
+    emit(report)
+    if verdict is not None and not verdict["passed"]:
+        failed = [c["check"] for c in verdict["checks"] if not c["passed"]]
+        raise ScriptError(f"rehearsal check failed: {'; '.join(failed)} (figures above and in {figures})")
+    return 0
+
+
 def one_line(e: BaseException, limit: int = 300) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text[:limit]

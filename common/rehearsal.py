@@ -288,13 +288,48 @@ RL_REHEARSAL = {
 }
 # Rehearsing your own reward from a checkpoint (--init-from, e.g. an SFT rehearsal's), over RL_REHEARSAL: room for
 # the answers it was trained on, sampled as a trained policy is.
-# real: room for a tool call (SmolLM2 writes the calculator's in ~35 tokens) and a rate that keeps its replies
-# fluent (measured 2026-12-07 from SFT rehearsals on a help-desk set: at 4e-4 and 1e-3 the replies drift into
-# repeated words within 8-12 iterations; 2e-4 stays fluent; references/training-rl.md has the curves).
+# real (measured 2026-12-07 from SFT rehearsals on a 24-row help-desk set, references/training-rl.md has the curves):
+# 8 iterations of 4 fixed tasks (scout_rehearsal_tasks) x 8 samples at 3e-4 rose 0.36 -> 0.97; at 1e-3 the replies
+# drift into repeated words within 8-12 iterations. real_tools: room for a tool call (SmolLM2 writes the
+# calculator's in ~35 tokens), at 2e-4, which stays fluent.
 RL_REHEARSAL_FROM_CHECKPOINT = {
     "tiny": dict(max_tokens=32, temperature=1.0),
-    "real": dict(max_tokens=48, temperature=1.0, learning_rate=2e-4, iterations=4, batch_size=4, group_size=4),
+    "real": dict(max_tokens=48, temperature=1.0, learning_rate=3e-4, iterations=8, batch_size=4, group_size=8),
+    "real_tools": dict(max_tokens=48, temperature=1.0, learning_rate=2e-4, iterations=4, batch_size=4, group_size=4),
 }
+
+
+def rl_rehearsal_settings(init_from, multi_turn: bool) -> dict:
+    """What --rehearse sets for every flag not on the command line: RL_REHEARSAL's preset and, with --init-from,
+    RL_REHEARSAL_FROM_CHECKPOINT's over it ("real" for a single-turn reward on the real model, "real_tools" for a
+    multi-turn environment: an iteration of tool episodes costs about 60 s there at 4 x 4)."""
+    settings = preset(RL_REHEARSAL)
+    if init_from:
+        settings.update(RL_REHEARSAL_FROM_CHECKPOINT["real_tools"] if multi_turn and real_stand_in()
+                        else preset(RL_REHEARSAL_FROM_CHECKPOINT))
+    return settings
+
+
+def rl_rehearsal_checks(args, job, run) -> dict | None:
+    """The real model's verdict on an RL rehearsal from a checkpoint with your own reward (None elsewhere: on the
+    tiny model the rehearsal proves the pipeline and the exit code says it ran): every iteration trained and,
+    single-turn, the mean reward of the last quarter of the iterations is above the first quarter's; multi-turn,
+    env_step() answered at least one of the model's turns (it parsed a tool call or went on)."""
+    if not (args.rehearse and args.init_from and real_stand_in() and args.reward == "own"):
+        return None
+    rows = [r for r in run.rows("metrics.jsonl") if isinstance(r.get("reward_mean"), (int, float))]
+    checks = [rehearsal_check(f"every iteration trained: {len(rows)} of {args.iterations} metrics rows",
+                              len(rows) == args.iterations)]
+    if job.env["env_step"] is None:
+        q = max(1, len(rows) // 4)
+        head, tail = (sum(r["reward_mean"] for r in part) / q for part in (rows[:q], rows[-q:]))
+        checks.append(rehearsal_check(f"the mean reward rises ({head:.3f}, the mean of the first {q} iteration(s) "
+                                      f"-> {tail:.3f}, the last {q})", len(rows) > 1 and tail > head))
+    else:
+        answered = sum(round(r["turns_mean"] * r["episodes"]) - r["episodes"] for r in rows)
+        checks.append(rehearsal_check(f"env_step() answered the model's turns: {answered} turn(s) after a first "
+                                      "one", answered > 0))
+    return rehearsal_result(checks, tasks=getattr(args, "rehearsal_tasks", None))
 # The stand-in task (--rehearse, automatic on the local backend). The tiny random model repeats blank lines at
 # greedy and drifts into junk text now and then at temperature 1.2; it can never multiply or call a tool, so the
 # examples would tie every group. "Say something" is a reward it earns partly and unevenly, which is what RL

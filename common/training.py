@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+from checkpoints import tinker_failure  # splice: drop
 from errors import say  # splice: drop
 from rehearsal import DISTILL_REHEARSAL_TEACHER, REHEARSAL_TRAIN, preset  # splice: drop
 from render import Rendered, render_example, to_datum  # splice: drop
@@ -138,12 +139,20 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA.
     A restored client trains the layers its checkpoint trained: `train_unembed` (--no-train-unembed) only
     shapes a new LoRA, and --resume refuses a changed value (RESUME_KEYS)."""
+    import tinker
+
     if resume_from:
-        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        try:
+            tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        except tinker.NotFoundError as e:  # the store lost it: say which path, not "run again"
+            raise tinker_failure(e, "--resume", resume_from["state_path"]) from e
         say(f"resumed from {resume_from['state_path']} at {position}")
         return tc
     if init_from:
-        return service.create_training_client_from_state(init_from).result()
+        try:
+            return service.create_training_client_from_state(init_from).result()
+        except tinker.NotFoundError as e:
+            raise tinker_failure(e, "--init-from", init_from) from e
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()

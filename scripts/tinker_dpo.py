@@ -267,15 +267,10 @@ def train_run(args, run) -> int:
               "tokens": tokens, "cost": est, "format": fmt, "seconds": round(time.monotonic() - started, 1)}
     if args.rehearse:
         report["rehearsal"] = dpo_rehearsal_checks(run, report, total_steps)
-        if not report["rehearsal"]["passed"]:
-            report["status"] = "failed"  # the JSON says what the exit code (1) says
+        report["status"] = "ok" if report["rehearsal"]["passed"] else "failed"  # as the exit code (1) says
         run.unlock()  # the record is complete: the report page written next shows a finished run
         print_outcome(args, raw, report)
-    emit(report)
-    if args.rehearse and not report["rehearsal"]["passed"]:
-        failed = [c["check"] for c in report["rehearsal"]["checks"] if not c["passed"]]
-        raise ScriptError(f"rehearsal check failed: {'; '.join(failed)} (figures above and in {run.path}/metrics.jsonl)")
-    return EXIT_OK
+    return judge_rehearsal(report, report.get("rehearsal"), run.path / "metrics.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,7 +583,7 @@ def save(tc, run, name, done, per_epoch, fmt, *, final):
     return state_path, sampler_path
 
 
-# ==== SHARED CODE (generated from common/: rehearsal, errors, flags, render, run_files, data, run_record, service, training) ====
+# ==== SHARED CODE (generated from common/: rehearsal, errors, flags, render, run_files, data, run_record, service, checkpoints, training) ====
 # Edit the files in common/ of the tinker-training-inference bundle, then run `python tools/splice.py`;
 # tests/test_shared_code.py fails when this copy differs from its source. Only the definitions the code
 # above uses (directly or through each other) are copied.
@@ -746,6 +741,21 @@ def say(*parts) -> None:
 def emit(obj: dict) -> None:
     """The one JSON object a script prints on stdout."""
     print(json.dumps(obj), flush=True)
+
+
+def judge_rehearsal(report: dict, verdict: dict | None, figures) -> int:
+    """Print the run's JSON with the rehearsal's verdict (None: nothing judged, status as it is); a failed check
+    sets status "failed" first, then ends the run with exit 1 naming the checks that failed and `figures` (the
+    file that holds the figures they judged)."""
+    if verdict is not None:
+        report["rehearsal"] = verdict
+        if not verdict["passed"]:
+            report["status"] = "failed"  # the JSON says what the exit code (1) says
+    emit(report)
+    if verdict is not None and not verdict["passed"]:
+        failed = [c["check"] for c in verdict["checks"] if not c["passed"]]
+        raise ScriptError(f"rehearsal check failed: {'; '.join(failed)} (figures above and in {figures})")
+    return 0
 
 
 def one_line(e: BaseException, limit: int = 300) -> str:
@@ -2302,6 +2312,57 @@ class CostMeter:
         return {"cost/step_usd": round(step, 10), "cost/cumulative_usd": round(self.cumulative, 10)}
 
 
+# ---- common/checkpoints.py ----
+# Checkpoints by path and by run: tinker:// paths, the server's listing of one run, the run record's checkpoint
+# rows, and an SDK failure about a checkpoint as one line with the command that shows what exists.
+import os
+
+
+CHECKPOINT_SEGMENTS = ("weights", "sampler_weights", "external_weights")
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
+    """tinker://RUN/SEGMENT/NAME -> (run, segment, name); None if not a tinker path; DataError if malformed."""
+    if not path.startswith("tinker://"):
+        return None
+    parts = path[len("tinker://"):].split("/")
+    if len(parts) != 3 or parts[1] not in CHECKPOINT_SEGMENTS or not all(parts):
+        raise DataError(f"{path} is not a checkpoint path; expected tinker://RUN_ID/sampler_weights/NAME "
+                        "(or weights/, external_weights/); next: " + script_command("tinker_checkpoints.py", "list"))
+    return parts[0], parts[1], parts[2]
+
+
+def tinker_failure(e: Exception, what: str, model: str | None = None) -> ScriptError:
+    """An SDK exception as a one-line error with its exit code and the next step (model: the base model or
+    tinker:// path the call was about, named in the message)."""
+    import tinker
+
+    message = one_line(e)
+    if isinstance(e, (tinker.AuthenticationError, tinker.PermissionDeniedError)):
+        return AccessError(f"{what}: Tinker rejected the API key ({message}); next: check TINKER_API_KEY")
+    if isinstance(e, tinker.APIConnectionError):
+        return AccessError(f"{what}: cannot reach {service_url()} ({message}); next: check the network or "
+                           "TINKER_BASE_URL")
+    lowered = message.lower()
+    if "not loaded" in lowered:
+        return ScriptError(f"{what}: the server no longer has the model behind {model} loaded ({message}); "
+                           f"next: sample a sampler_weights/ checkpoint of it ({script_command('tinker_checkpoints.py', 'list')}), "
+                           "or restore its last save_state path")
+    if isinstance(e, tinker.NotFoundError) or "not found" in lowered or "expired" in lowered:
+        run = parse_tinker_path(model)[0] if model and model.startswith("tinker://") else None
+        hint = script_command("tinker_checkpoints.py", "list", *(["--run", run] if run else []))
+        if os.environ.get("TINKER_LOCAL_LAUNCHER"):  # the local backend: what keeps a checkpoint there
+            hint += (" (local backend: checkpoints stay in the store of its cache folder for "
+                     "30 days, the oldest pruned beyond 2 GB; a server started with --run-dir sees only that "
+                     "folder's; `tinker_local.py prune --all` deletes them)")
+        return DataError(f"{what}: {model or 'the checkpoint'} is unknown or expired ({message}); next: {hint}")
+    if isinstance(e, (tinker.BadRequestError, tinker.UnprocessableEntityError)):
+        return DataError(f"{what}: the server rejected the request ({message})")
+    if isinstance(e, tinker.RequestFailedError) and str(getattr(e, "category", "")).lower().endswith("user"):
+        return DataError(f"{what}: the server rejected the request ({message})")
+    return ScriptError(f"{what} failed: {message}")
+
+
 # ---- common/training.py ----
 # Optimizer constants, learning-rate rules, data order, sizing advice and the training client shared by the training
 # scripts; the teacher a distillation rehearsal trains first.
@@ -2360,16 +2421,24 @@ def training_client(service, model_name, lora_rank, seed, *, resume_from=None, p
     says where, e.g. "batch 12"), else the weights of --init-from with a fresh optimizer, else a new LoRA.
     A restored client trains the layers its checkpoint trained: `train_unembed` (--no-train-unembed) only
     shapes a new LoRA, and --resume refuses a changed value (RESUME_KEYS)."""
+    import tinker
+
     if resume_from:
-        tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        try:
+            tc = service.create_training_client_from_state_with_optimizer(resume_from["state_path"]).result()
+        except tinker.NotFoundError as e:  # the store lost it: say which path, not "run again"
+            raise tinker_failure(e, "--resume", resume_from["state_path"]) from e
         say(f"resumed from {resume_from['state_path']} at {position}")
         return tc
     if init_from:
-        return service.create_training_client_from_state(init_from).result()
+        try:
+            return service.create_training_client_from_state(init_from).result()
+        except tinker.NotFoundError as e:
+            raise tinker_failure(e, "--init-from", init_from) from e
     # The SDK's default trains the output head too (train_unembed=True); a LoRA on it is the one vLLM may refuse.
     head = {} if train_unembed else {"train_unembed": False}
     return service.create_lora_training_client(base_model=model_name, rank=lora_rank, seed=seed, **head).result()
-# ==== END SHARED CODE (sha256 403464bffa27) ====
+# ==== END SHARED CODE (sha256 f4a7dfface65) ====
 
 
 if __name__ == "__main__":

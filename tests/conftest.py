@@ -27,7 +27,7 @@ def pytest_xdist_auto_num_workers(config):
 # tail of another's, so a long test started late stretches the end of the run while the other worker waits.
 # The real-model modules come before them, together: they share one session server of the real model and one SFT
 # run on it (local_real_tinker, local_real_sft_run), so they must land in one worker's share, not two.
-REAL_MODEL_MODULES = ("test_sft_real_e2e.py", "test_rl_real_e2e.py", "test_real_model_e2e.py", "test_local_real.py")
+REAL_MODEL_MODULES = ("test_sft_real_e2e.py", "test_real_rehearsals_e2e.py", "test_local_real.py")
 FIRST = REAL_MODEL_MODULES + ("test_faults_e2e.py", "test_journey_e2e.py", "test_rl_agentic_e2e.py",
                               "test_distill_e2e.py")
 

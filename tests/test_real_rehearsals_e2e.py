@@ -3,23 +3,27 @@
 (`local_real_tinker`): each proves the user's task, not only the plumbing.
 
 - DPO on the user's pairs (templates/dpo_example.jsonl): preference accuracy rises from the reference's tie.
+- RL from an SFT checkpoint with the user's own sparse reward (1.0 / 0.2 / 0, written into the EDIT ME block of a
+  copied tinker_rl.py): the rehearsal trains the tasks the start partly solves and its mean reward rises.
 - Tools: a short SFT warm-up on tool-call examples (templates/sft_tool_warmup.jsonl), then `tinker_rl.py --env
   calculator --init-from` it: the environment's own parser, env_step() and reward() run on calls the model wrote
   (env/tool_calls > 0 in metrics.jsonl)."""
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from fixtures_local import ROOT
+from test_journey_e2e import SUPPORT, SYSTEM
 
 pytestmark = pytest.mark.e2e
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def run_script(name, args, env, cwd, timeout=1500):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+def run_script(name, args, env, cwd, timeout=1500, folder=ROOT / "scripts"):
+    out = subprocess.run([sys.executable, str(folder / name), *args], capture_output=True, text=True,
                          env=env, cwd=cwd, timeout=timeout)
     lines = out.stdout.strip().splitlines()
     return out, (json.loads(lines[-1]) if lines else {})
@@ -53,6 +57,8 @@ def test_after_a_tool_call_warm_up_the_rl_rehearsal_reaches_the_environments_own
                                               "--log-path", str(log)], local_real_tinker.env, tmp_path)
     assert out.returncode == 0 and report["status"] == "ok", out.stderr[-3000:]
     assert "scored and stepped by its own env_step() and reward()" in out.stderr
+    assert report["rehearsal"]["passed"] and "env_step() answered the model's turns" in \
+        report["rehearsal"]["checks"][1]["check"], report["rehearsal"]
     config = json.loads((log / "config.json").read_text())
     assert config["reward"] == "own" and config["backend"]["stand_in_kind"] == "real"
     metrics = rows(log / "metrics.jsonl")
@@ -61,3 +67,67 @@ def test_after_a_tool_call_warm_up_the_rl_rehearsal_reaches_the_environments_own
     episodes = rows(log / "rollouts.jsonl")
     assert any(len(e["turns"]) > 1 and "<tool_call>" in e["completion_text"] for e in episodes)
     assert "env/own_reward" not in metrics[0]  # the environment's reward trained, no stand-in beside it
+
+
+# What the user writes into tinker_rl.py's EDIT ME block: the help-desk questions and a sparse reward.
+SPARSE_REWARD = '''# ==== EDIT ME: TASKS, render_prompt(), reward(), env_step() ====
+# Our help desk: the questions of support.jsonl (beside this script), a sparse reward: 1.0 for the documented
+# answer, 0.2 for a reply that shares one of its words, else 0.
+import difflib
+import re
+
+SYSTEM = "You are the help desk of Acme Cloud. Answer in one short sentence."
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support.jsonl")) as _f:
+    _rows = [json.loads(line)["messages"] for line in _f]
+_ALL_TASKS = [{"question": m[1]["content"], "answer": m[2]["content"]} for m in _rows]
+TASKS, EVAL_TASKS = _ALL_TASKS[:20], _ALL_TASKS[20:]
+PASS_REWARD = 1.0
+
+
+def render_prompt(task):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+
+
+def reward(task, completion):
+    c, a = completion.strip().lower(), task["answer"].lower()
+    if difflib.SequenceMatcher(None, c, a).ratio() >= 0.8:
+        return 1.0
+    return 0.2 if set(re.findall(r"[a-z]{5,}", a)) & set(re.findall(r"[a-z]{5,}", c)) else 0.0
+
+
+env_step = None
+
+'''
+
+
+def test_rl_from_an_sft_checkpoint_with_the_users_sparse_reward_rises(local_real_tinker, tmp_path):
+    """SFT 24 steps on the 24 help-desk rows (half the preset's 48: a start that partly solves them; its own probe
+    check fails, exit 1, which is the point: RL has something left to earn), then `tinker_rl.py --init-from` it
+    with the real-model preset: the scouting pass keeps the 4 tasks the reward scores most unevenly, the mean
+    reward of the last quarter of the 8 iterations is above the first quarter's, no group-tie exit."""
+    project = tmp_path / "project"
+    project.mkdir()
+    with open(project / "support.jsonl", "w") as f:
+        for question, answer in SUPPORT:
+            f.write(json.dumps({"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    for name in ("tinker_rl.py", "tinker_report.py", "tinker_pricing.py"):
+        shutil.copy2(ROOT / "scripts" / name, project / name)
+    script = (project / "tinker_rl.py").read_text()
+    start, end = script.index("# ==== EDIT ME: TASKS"), script.index("# ==== END OF EDIT ME ====")
+    (project / "tinker_rl.py").write_text(script[:start] + SPARSE_REWARD + script[end:])
+    out, sft = run_script("tinker_sft.py", ["--rehearse", "--data", str(project / "support.jsonl"), "--max-steps", "24",
+                                            "--log-path", str(project / "runs" / "sft24")], local_real_tinker.env, project)
+    assert sft.get("state_path"), out.stderr[-3000:]
+    log = project / "runs" / "rl"
+    out, report = run_script("tinker_rl.py", ["--init-from", sft["state_path"], "--log-path", str(log)],
+                             local_real_tinker.env, project, folder=project)
+    assert out.returncode == 0 and report["status"] == "ok", out.stderr[-3000:]
+    assert "every iteration trains the 4 your reward scores most unevenly" in out.stderr
+    assert [c["passed"] for c in report["rehearsal"]["checks"]] == [True, True], report["rehearsal"]
+    metrics = rows(log / "metrics.jsonl")
+    kept = json.loads((log / "config.json").read_text())["rehearsal_tasks"]
+    assert len(kept) == 4 and all(sorted(m["tasks"]) == kept for m in metrics)
+    curve = [m["reward_mean"] for m in metrics]
+    assert len(curve) == 8 and sum(curve[-2:]) / 2 > sum(curve[:2]) / 2 + 0.2, curve
+    print(f"reward per iteration {[round(r, 2) for r in curve]} on TASKS {kept}")

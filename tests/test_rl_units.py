@@ -751,3 +751,84 @@ def test_the_reward_is_named_for_the_environment_that_supplies_it():
     assert label("own", "calculator") == "the calculator example's reward() (--env calculator)"
     assert label("own", "multiply") == "reward() (EDIT ME)"
     assert label("stand-in", "calculator") == "the stand-in reward"
+    # --reward auto's first samples, scored before it decides: the reward that would train
+    auto = argparse.Namespace(reward="auto", env="calculator")
+    assert tinker_rl.reward_label(auto, "own") == "the calculator example's reward() (--env calculator)"
+
+
+def test_an_init_from_checkpoint_the_store_lacks_names_it_and_the_listing_not_a_rerun(fake_tinker, tmp_path, capsys):
+    """--init-from a path the server no longer has: the error names that path and the command that lists what
+    exists, not "run the same command again with --overwrite" (which fails the same way)."""
+    import httpx
+    import tinker
+
+    def gone(path):
+        response = httpx.Response(404, request=httpx.Request("POST", "http://local/api/v1/create_model"))
+        raise tinker.NotFoundError("Model not found", response=response, body=None)
+
+    fake_tinker.create_training_client_from_state = gone
+    path = "tinker://model_gone/weights/final"
+    code = fake_tinker.run("--iterations", "1", "--init-from", path, "--log-path", str(tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--init-from: {path} is unknown or expired" in err
+    assert "tinker_checkpoints.py list --run model_gone" in err
+    assert "--overwrite" not in err
+
+
+def real_rehearsal(fake_tinker, monkeypatch, qwen, rising):
+    """main() as a real-model rehearsal from a checkpoint (the launcher's stand-in variable set): the user's reward
+    scores only TASKS 3 and 5 unevenly (reply length), every other task 0.0; replies grow with each sampling call
+    when `rising`, so the reward of the kept tasks rises as iterations go."""
+    monkeypatch.setenv("TINKER_LOCAL_STAND_IN", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    eot = qwen[1]["stop"][0]
+    fake_tinker.sampler.reply = lambda prompt, call, i: ([1040] * (i + 1 + (call if rising else 0)) + [eot], "stop")
+    uneven = [tinker_rl.TASKS[3], tinker_rl.TASKS[5]]
+    monkeypatch.setattr(tinker_rl, "reward", lambda task, completion: float(len(completion)) if task in uneven else 0.0)
+    return ("--rehearse", "on", "--init-from", "tinker://sft/weights/final", "--temperature", "1.0",
+            "--learning-rate", "1e-4")
+
+
+def test_a_real_model_rehearsal_from_a_checkpoint_trains_the_tasks_its_reward_scores_unevenly(
+        fake_tinker, monkeypatch, qwen, tmp_path, capsys):
+    """Drawn afresh from all TASKS, an iteration's mean moves with the draw; the real-model rehearsal samples the
+    first TASKS once and trains the --batch-size ones the reward tells apart, every iteration; its verdict: every
+    iteration trained and the mean reward rose. A --resume keeps the same tasks without scouting again."""
+    flags = real_rehearsal(fake_tinker, monkeypatch, qwen, rising=True)
+    log = tmp_path / "run"
+    assert fake_tinker.run(*flags, "--iterations", "2", "--save-every", "1", "--log-path", str(log)) == 0
+    err = capsys.readouterr().err
+    assert "reward: your reward() from the EDIT ME block, on 2 of 6 TASKS" in err
+    assert "sampled 3 replies to each of the first 6 TASKS; every iteration trains the 2 your reward scores most " \
+           "unevenly" in err and "TASKS [3] (mean " in err
+    assert json.loads((log / "config.json").read_text())["rehearsal_tasks"] == [3, 5]
+    assert fake_tinker.run(*flags, "--iterations", "4", "--log-path", str(log), "--resume") == 0
+    out = capsys.readouterr()
+    assert "sampled 3 replies" not in out.err
+    assert [sorted(m["tasks"]) for m in rows(log / "metrics.jsonl")] == [[3, 5]] * 4
+    report = json.loads(out.out.strip().splitlines()[-1])
+    assert report["status"] == "ok" and report["rehearsal"]["passed"], report["rehearsal"]
+    assert [c["check"].split(" (")[0] for c in report["rehearsal"]["checks"]] == [
+        "every iteration trained: 4 of 4 metrics rows", "the mean reward rises"]
+    assert report["rehearsal"]["tasks"] == [3, 5]
+
+
+def test_a_real_model_rehearsal_whose_reward_does_not_rise_says_failed_in_json_and_exit_code(
+        fake_tinker, monkeypatch, qwen, tmp_path, capsys):
+    flags = real_rehearsal(fake_tinker, monkeypatch, qwen, rising=False)
+    assert fake_tinker.run(*flags, "--iterations", "4", "--log-path", str(tmp_path / "run")) == 1
+    out = capsys.readouterr()
+    report = json.loads(out.out.strip().splitlines()[-1])
+    assert report["status"] == "failed" and not report["rehearsal"]["passed"]
+    assert "rehearsal check failed: the mean reward rises (" in out.err
+    assert report["state_path"] == "tinker://fake/weights/final"  # the run itself finished and saved
+
+
+def test_the_tiny_models_rehearsal_from_a_checkpoint_draws_its_tasks_and_is_not_judged(fake_tinker, monkeypatch,
+                                                                                      qwen, tmp_path, capsys):
+    flags = real_rehearsal(fake_tinker, monkeypatch, qwen, rising=False)
+    monkeypatch.setenv("TINKER_LOCAL_STAND_IN", "tiny-qwen3")
+    assert fake_tinker.run(*flags, "--iterations", "3", "--log-path", str(tmp_path / "run")) == 0
+    out = capsys.readouterr()
+    assert "sampled 3 replies" not in out.err and "rehearsal" not in json.loads(out.out.strip().splitlines()[-1])
+    assert len({tuple(m["tasks"]) for m in rows(tmp_path / "run" / "metrics.jsonl")}) > 1
