@@ -234,8 +234,11 @@ DISTILL_REHEARSAL = {
 # The teacher a rehearsal without --teacher trains first on REHEARSAL_QA. tiny: a soft teacher, 3 full-batch SFT
 # steps (held-out NLL 18.4 -> 10.8); a fully memorised one (40 steps) rates every other token near -20 and the
 # student's KL only fell 16 -> 12 in 12 iterations (measured).
-# real: SFT's real-model recipe for these facts (4/4 word for word in 16 steps at 5e-4, measured); the distillation
-# from it is judged by the real-model checks.
+# real: SFT's real-model recipe for these facts (4/4 word for word in 16 steps at 5e-4, measured). Distilled from it
+# (measured 2026-12-07, the preset: lr 1e-3, 12 iterations) the base student drops its sentences for the teacher's
+# one-word form ("Azul.", "Spectrum." to "What colour is the sky?"): the reverse KL a sample falls 44 -> 15 nats
+# (first quarter -> last), while the per-token mean rises 2.07 -> 3.70: what is left are the answer words, where the
+# two disagree most. So the real model's checks judge each sample's sum, with the per-token figure beside it.
 DISTILL_REHEARSAL_TEACHER = {
     "tiny": {"steps": 3, "learning_rate": 1e-2},
     "real": {"steps": 16, "learning_rate": 5e-4},
@@ -263,14 +266,21 @@ def distill_rehearsal_checks(run, report, iterations):
                   f"{tail:.3f}, the mean of the last {q})",
          "passed": bool(curve) and tail <= DISTILL_REHEARSAL_KL_SHARE * head},
     ]
-    if real_stand_in() and curve:  # a real student starts nearer a real teacher: judged quarter against quarter
-        first_q = sum(curve[:q]) / q
-        teacher = [r["teacher_logprob"] for r in rows if isinstance(r.get("teacher_logprob"), (int, float))]
+    if real_stand_in() and curve:  # a real student changes its length too: judged per sample, quarter against quarter
+        def per_sample(key):  # a row's token mean x its tokens / its samples: the sum over one sample's tokens
+            return [r[key] * r["tokens_sampled"] / max(1, r["sequences"]) for r in rows
+                    if isinstance(r.get(key), (int, float)) and r.get("tokens_sampled") and r.get("sequences")]
+
+        kl, teacher = per_sample("reverse_kl"), per_sample("teacher_logprob")
+        k_head, k_tail = sum(kl[:q]) / q, sum(kl[-q:]) / q
         t_head, t_tail = sum(teacher[:q]) / q, sum(teacher[-q:]) / q
-        checks[-1] = rehearsal_check(f"the reverse KL to the teacher falls ({first_q:.3f}, the mean of the first {q} "
-                                     f"iterations -> {tail:.3f}, the mean of the last {q})", tail < first_q)
-        checks.append(rehearsal_check(f"the teacher rates the student's samples higher ({t_head:.3f} -> {t_tail:.3f}, "
-                                      f"mean logprob per token, first {q} -> last {q} iterations)", t_tail > t_head))
+        per_token = f"per token {sum(curve[:q]) / q:.3f} -> {tail:.3f}"
+        checks[-1] = rehearsal_check(f"the reverse KL to the teacher falls ({k_head:.1f} nats a sample, the mean of "
+                                     f"the first {q} iterations -> {k_tail:.1f}, the last {q}; {per_token})",
+                                     bool(kl) and k_tail < k_head)
+        checks.append(rehearsal_check(f"the teacher rates the student's samples higher ({t_head:.1f} -> {t_tail:.1f}, "
+                                      f"logprob a sample, first {q} -> last {q} iterations)",
+                                      bool(teacher) and t_tail > t_head))
     reported = [f"teacher logprob of the student's samples {rows[0].get('teacher_logprob', 0):.3f} -> "
                 f"{rows[-1].get('teacher_logprob', 0):.3f}, student logprob {rows[0].get('student_logprob', 0):.3f} -> "
                 f"{rows[-1].get('student_logprob', 0):.3f} (reported, not judged)"] if rows else []

@@ -218,7 +218,7 @@ class RealSftRun:
 @pytest.fixture(scope="session")
 def local_real_sft_run(local_real_tinker, tmp_path_factory) -> RealSftRun:
     """The SFT rehearsal on the user's own data on the real model, run once per session and shared by the tests that
-    judge it or start from it (RL --init-from its state_path, distillation from its checkpoint, evaluation):
+    judge it (tests/test_sft_real_e2e.py):
     `tinker_sft.py --rehearse --data templates/sft_example.jsonl` (the real-model preset: 48 steps, lr 2e-3 linear,
     rank 32, batch 4, held-out NLL every 8 steps)."""
     log = tmp_path_factory.mktemp("local_real_sft_run") / "runs" / "sft-real"

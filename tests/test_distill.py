@@ -372,3 +372,24 @@ def test_rehearsal_checks_judge_the_last_quarter_against_the_first_iteration():
     assert [c["passed"] for c in stalled["checks"]] == [True, True, False]
     assert [c["passed"] for c in distill.distill_rehearsal_checks(RecordedRun([5.0, 2.0]), {}, 8)["checks"]] == \
         [False, False, True]
+
+
+def test_the_real_models_checks_judge_a_sample_whole_where_the_per_token_mean_rises(tmp_path, monkeypatch):
+    """The real student shortens its samples as it takes the teacher's form (measured: 21 -> 4 tokens a sample):
+    its per-token KL rises while the KL a sample falls. On the real model the checks judge a sample whole and print
+    the per-token figure beside it; the tiny model's halving rule per token is unchanged."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    rows = [{"iteration": i, "reverse_kl": 2.0 + 0.25 * i, "teacher_logprob": -4.5 - 0.2 * i, "sequences": 8,
+             "tokens_sampled": 168 - 16 * i} for i in range(8)]  # per sample: 42 nats -> 26.25
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = {"state_path": "tinker://r/weights/final", "sampler_path": "tinker://r/sampler_weights/final"}
+    monkeypatch.setenv("TINKER_LOCAL_STAND_IN", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    real = distill.distill_rehearsal_checks(distill.Run(folder), report, 8)
+    assert real["passed"], real["checks"]
+    assert real["checks"][2]["check"] == ("the reverse KL to the teacher falls (42.4 nats a sample, the mean of the "
+                                          "first 2 iterations -> 28.9, the last 2; per token 2.125 -> 3.625)")
+    assert real["checks"][3]["check"].startswith("the teacher rates the student's samples higher (-91.9 -> -46.3")
+    monkeypatch.setenv("TINKER_LOCAL_STAND_IN", "tiny-qwen3")
+    tiny = distill.distill_rehearsal_checks(distill.Run(folder), report, 8)
+    assert not tiny["passed"] and len(tiny["checks"]) == 3 and "falls by half" in tiny["checks"][2]["check"]

@@ -1,6 +1,6 @@
 """tinker_sft.py --rehearse on the local backend's real model (SmolLM2-135M-Instruct, `tinker_local.py run --real`):
 the real-model preset and the checks that prove the user's task, end to end through the real SDK, on the session's
-real-model SFT rehearsal (fixture `local_real_sft_run`, shared with the RL, distillation and evaluation tests)."""
+real-model SFT rehearsal (fixture `local_real_sft_run`)."""
 import json
 
 import pytest
