@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from fixtures_local import ROOT
-from test_journey_e2e import SUPPORT, SYSTEM
+from test_journey_e2e import OWN_REWARD, SUPPORT, SYSTEM
 
 pytestmark = pytest.mark.e2e
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -91,35 +91,19 @@ def test_a_distillation_rehearsal_brings_the_real_student_to_its_teacher(local_r
     assert config["backend"]["stand_in_kind"] == "real" and config["learning_rate"] == 1e-3
 
 
-# What the user writes into tinker_rl.py's EDIT ME block: the help-desk questions and a sparse reward.
-SPARSE_REWARD = '''# ==== EDIT ME: TASKS, render_prompt(), reward(), env_step() ====
-# Our help desk: the questions of support.jsonl (beside this script), a sparse reward: 1.0 for the documented
-# answer, 0.2 for a reply that shares one of its words, else 0.
-import difflib
-import re
-
-SYSTEM = "You are the help desk of Acme Cloud. Answer in one short sentence."
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "support.jsonl")) as _f:
-    _rows = [json.loads(line)["messages"] for line in _f]
-_ALL_TASKS = [{"question": m[1]["content"], "answer": m[2]["content"]} for m in _rows]
-TASKS, EVAL_TASKS = _ALL_TASKS[:20], _ALL_TASKS[20:]
-PASS_REWARD = 1.0
-
-
-def render_prompt(task):
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
-
-
-def reward(task, completion):
+# What the user writes into tinker_rl.py's EDIT ME block: the journey's help-desk questions with a sparse reward.
+JOURNEY_REWARD = '''def reward(task, completion):
+    """How close the reply is to the documented answer: difflib's similarity ratio, 0 to 1."""
+    return difflib.SequenceMatcher(None, completion.strip().lower(), task["answer"].lower()).ratio()
+'''
+SPARSE_REWARD = OWN_REWARD.replace(JOURNEY_REWARD, '''def reward(task, completion):
+    """Sparse: 1.0 for the documented answer (similarity >= 0.8), 0.2 for a reply sharing one of its words, else 0."""
     c, a = completion.strip().lower(), task["answer"].lower()
     if difflib.SequenceMatcher(None, c, a).ratio() >= 0.8:
         return 1.0
     return 0.2 if set(re.findall(r"[a-z]{5,}", a)) & set(re.findall(r"[a-z]{5,}", c)) else 0.0
-
-
-env_step = None
-
-'''
+''')
+assert SPARSE_REWARD != OWN_REWARD
 
 
 def test_rl_from_an_sft_checkpoint_with_the_users_sparse_reward_rises(local_real_tinker, tmp_path):

@@ -2,8 +2,12 @@
 the real-model preset and the checks that prove the user's task, end to end through the real SDK, on the session's
 real-model SFT rehearsal (fixture `local_real_sft_run`)."""
 import json
+import subprocess
+import sys
 
 import pytest
+
+from fixtures_local import ROOT
 
 pytestmark = pytest.mark.e2e
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -37,3 +41,19 @@ def test_the_run_record_says_the_real_model_stood_in_and_used_its_preset(local_r
     assert (config["learning_rate"], config["lr_schedule"], config["max_steps"], config["eval_every"]) == \
         (2e-3, "linear", 48, 8)
     assert config["format"]["stop"] == [2]  # SmolLM2's <|im_end|>, not Qwen3's 151645
+
+
+def test_eval_on_the_real_model_scores_the_sft_checkpoint_above_the_base(local_real_sft_run, local_real_tinker):
+    """tinker_eval.py --run on the real-model SFT rehearsal, its first 8 rows, exact match (the default score()):
+    the base answers in its own words (0 of 8), the checkpoint gives its trained answers; the paired difference
+    is positive and the record names the real model."""
+    assert local_real_sft_run.returncode == 0, local_real_sft_run.stderr[-3000:]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "tinker_eval.py"), "--run", str(local_real_sft_run.log),
+                          "--data", str(ROOT / "templates" / "sft_example.jsonl"), "--limit", "8", "--max-tokens", "32"],
+                         capture_output=True, text=True, env=local_real_tinker.env, cwd=local_real_sft_run.log.parent,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["status"] == "ok" and report["n"] == 8
+    assert report["base"]["mean"] == 0.0 and report["trained"]["mean"] >= 0.5, report
+    assert report["difference"]["wins"] >= 4 and report["difference"]["losses"] == 0, report["difference"]
