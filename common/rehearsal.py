@@ -320,6 +320,13 @@ def rl_rehearsal_settings(init_from, multi_turn: bool) -> dict:
     return settings
 
 
+def quarter_means(values) -> tuple[int, float, float]:
+    """(q, the mean of the first q values, the mean of the last q) with q a quarter of them, at least 1; 0.0 for
+    both means when there are none. One iteration's figure is noisy: curves are judged quarter against quarter."""
+    q = max(1, len(values) // 4)
+    return (q, sum(values[:q]) / q, sum(values[-q:]) / q) if values else (q, 0.0, 0.0)
+
+
 def rl_rehearsal_checks(args, job, run) -> dict | None:
     """The real model's verdict on an RL rehearsal from a checkpoint with your own reward (None elsewhere: on the
     tiny model the rehearsal proves the pipeline and the exit code says it ran): every iteration trained and,
@@ -331,8 +338,7 @@ def rl_rehearsal_checks(args, job, run) -> dict | None:
     checks = [rehearsal_check(f"every iteration trained: {len(rows)} of {args.iterations} metrics rows",
                               len(rows) == args.iterations)]
     if job.env["env_step"] is None:
-        q = max(1, len(rows) // 4)
-        head, tail = (sum(r["reward_mean"] for r in part) / q for part in (rows[:q], rows[-q:]))
+        q, head, tail = quarter_means([r["reward_mean"] for r in rows])
         checks.append(rehearsal_check(f"the mean reward rises ({head:.3f}, the mean of the first {q} iteration(s) "
                                       f"-> {tail:.3f}, the last {q})", len(rows) > 1 and tail > head))
     else:

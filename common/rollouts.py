@@ -20,7 +20,8 @@ import time
 
 from errors import BudgetError, DataError, ScriptError, one_line, say, script_command, short_path  # splice: drop
 from onpolicy import RequestGate, rl_datum, save_checkpoint  # splice: drop
-from rehearsal import RL_REHEARSAL, model_label, on_local_backend, preset, real_stand_in, stand_in_cost_note  # splice: drop
+from rehearsal import RL_REHEARSAL, model_label, on_local_backend, preset, quarter_means, real_stand_in  # splice: drop
+from rehearsal import stand_in_cost_note  # splice: drop
 from rehearsal import REHEARSAL_TASKS, rehearsal_env_step, rehearsal_prompt, rehearsal_reward  # splice: drop
 from render import _frozen_clock  # splice: drop
 from run_record import write_report  # splice: drop
@@ -594,6 +595,15 @@ async def _cancel_all():
 REHEARSAL_SCOUT_TASKS = 12
 
 
+def sample_groups(args, job, tc, context_window, task_indices, seeds, version=None):
+    """One free pass of groups from the training client's current weights, before any training (--reward auto's
+    check and the rehearsal's scouting): the same Rollouts, pools and seeds as an iteration's sampling."""
+    ro = Rollouts(job, args, context_window)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    with ro.pools():
+        return asyncio.run(ro.batch(sampler, task_indices, seeds, version))
+
+
 def scouts_tasks(args, job) -> bool:
     """True when this run picks its fixed rehearsal tasks first (see REHEARSAL_SCOUT_TASKS); a --resume reads them
     back from config.json (rehearsal_tasks) instead."""
@@ -607,11 +617,8 @@ def scout_rehearsal_tasks(args, job, tc, context_window):
     earlier task), trained every iteration; left None (tasks drawn as usual) when every group ties."""
     import statistics
 
-    ro = Rollouts(job, args, context_window)
     scouted = list(range(min(REHEARSAL_SCOUT_TASKS, job.n_train)))
-    sampler = tc.save_weights_and_get_sampling_client().result()
-    with ro.pools():
-        groups = asyncio.run(ro.batch(sampler, scouted, [group_seed(args.seed, "scout", i) for i in scouted]))
+    groups = sample_groups(args, job, tc, context_window, scouted, [group_seed(args.seed, "scout", i) for i in scouted])
     spread = [statistics.pstdev([e.reward for e in g.episodes]) for g in groups]
     keep = sorted(sorted(scouted, key=lambda i: (-spread[i], i))[:args.batch_size])
     means = [sum(e.reward for e in groups[i].episodes) / len(groups[i].episodes) for i in keep]
@@ -636,8 +643,7 @@ def reward_label(args, reward: str | None = None) -> str:
 
 def print_outcome(args, job, run, rewards, final, usd):
     """A few lines a newcomer can read, as tinker_sft.py ends: what trained, how the reward moved, where it is."""
-    q = max(1, len(rewards) // 4)  # rewards: every iteration's reward_mean, the resumed-from ones included
-    head, tail = (sum(part) / len(part) for part in (rewards[:q], rewards[-q:])) if rewards else (0, 0)
+    q, head, tail = quarter_means(rewards)  # rewards: every iteration's reward_mean, the resumed-from ones included
     start = f"from {args.init_from}" if args.init_from else f"a new LoRA (rank {args.lora_rank})"
     lines = ["", "==== what happened ====",
              f"trained  {model_label(args.model_name)}, {start}: {args.iterations} iterations of {args.batch_size} "

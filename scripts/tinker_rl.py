@@ -39,7 +39,7 @@ Outputs:
                           sampler version and staleness, reward, advantage, trained or not, per-turn
                           observation/action spans
     stdout                one JSON object: status, log_path, iterations, state_path, sampler_path,
-                          reward {first, last}, format
+                          reward {first, last}, format (+ rehearsal: the real model's verdict, exit 1 if failed)
 
 Requires:
     TINKER_API_KEY (not for --dry-run); TINKER_BASE_URL to point at a local rehearsal backend
@@ -375,13 +375,9 @@ def choose_reward(args, job, tc, context_window):
     """A single-turn rehearsal without --init-from: sample the first iteration's groups (free, locally) and
     train the user's reward() when it tells some samples apart, else the stand-in task (said, with why).
     Returns the job to train."""
-    import asyncio
-
-    ro = Rollouts(job, args, context_window)
     tasks = batch_tasks(0, job.n_train, args.batch_size, args.seed)
-    sampler = tc.save_weights_and_get_sampling_client().result()
-    with ro.pools():
-        groups = asyncio.run(ro.batch(sampler, tasks, [group_seed(args.seed, 0, s) for s in range(len(tasks))], 0))
+    seeds = [group_seed(args.seed, 0, slot) for slot in range(len(tasks))]
+    groups = sample_groups(args, job, tc, context_window, tasks, seeds, 0)
     say(reward_summary(groups, reward_label(args, "own")))
     if build_batch(groups).tied < len(groups):
         args.reward = "own"
@@ -798,6 +794,13 @@ def rl_rehearsal_settings(init_from, multi_turn: bool) -> dict:
     return settings
 
 
+def quarter_means(values) -> tuple[int, float, float]:
+    """(q, the mean of the first q values, the mean of the last q) with q a quarter of them, at least 1; 0.0 for
+    both means when there are none. One iteration's figure is noisy: curves are judged quarter against quarter."""
+    q = max(1, len(values) // 4)
+    return (q, sum(values[:q]) / q, sum(values[-q:]) / q) if values else (q, 0.0, 0.0)
+
+
 def rl_rehearsal_checks(args, job, run) -> dict | None:
     """The real model's verdict on an RL rehearsal from a checkpoint with your own reward (None elsewhere: on the
     tiny model the rehearsal proves the pipeline and the exit code says it ran): every iteration trained and,
@@ -809,8 +812,7 @@ def rl_rehearsal_checks(args, job, run) -> dict | None:
     checks = [rehearsal_check(f"every iteration trained: {len(rows)} of {args.iterations} metrics rows",
                               len(rows) == args.iterations)]
     if job.env["env_step"] is None:
-        q = max(1, len(rows) // 4)
-        head, tail = (sum(r["reward_mean"] for r in part) / q for part in (rows[:q], rows[-q:]))
+        q, head, tail = quarter_means([r["reward_mean"] for r in rows])
         checks.append(rehearsal_check(f"the mean reward rises ({head:.3f}, the mean of the first {q} iteration(s) "
                                       f"-> {tail:.3f}, the last {q})", len(rows) > 1 and tail > head))
     else:
@@ -3071,6 +3073,15 @@ async def _cancel_all():
 REHEARSAL_SCOUT_TASKS = 12
 
 
+def sample_groups(args, job, tc, context_window, task_indices, seeds, version=None):
+    """One free pass of groups from the training client's current weights, before any training (--reward auto's
+    check and the rehearsal's scouting): the same Rollouts, pools and seeds as an iteration's sampling."""
+    ro = Rollouts(job, args, context_window)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    with ro.pools():
+        return asyncio.run(ro.batch(sampler, task_indices, seeds, version))
+
+
 def scouts_tasks(args, job) -> bool:
     """True when this run picks its fixed rehearsal tasks first (see REHEARSAL_SCOUT_TASKS); a --resume reads them
     back from config.json (rehearsal_tasks) instead."""
@@ -3084,11 +3095,8 @@ def scout_rehearsal_tasks(args, job, tc, context_window):
     earlier task), trained every iteration; left None (tasks drawn as usual) when every group ties."""
     import statistics
 
-    ro = Rollouts(job, args, context_window)
     scouted = list(range(min(REHEARSAL_SCOUT_TASKS, job.n_train)))
-    sampler = tc.save_weights_and_get_sampling_client().result()
-    with ro.pools():
-        groups = asyncio.run(ro.batch(sampler, scouted, [group_seed(args.seed, "scout", i) for i in scouted]))
+    groups = sample_groups(args, job, tc, context_window, scouted, [group_seed(args.seed, "scout", i) for i in scouted])
     spread = [statistics.pstdev([e.reward for e in g.episodes]) for g in groups]
     keep = sorted(sorted(scouted, key=lambda i: (-spread[i], i))[:args.batch_size])
     means = [sum(e.reward for e in groups[i].episodes) / len(groups[i].episodes) for i in keep]
@@ -3113,8 +3121,7 @@ def reward_label(args, reward: str | None = None) -> str:
 
 def print_outcome(args, job, run, rewards, final, usd):
     """A few lines a newcomer can read, as tinker_sft.py ends: what trained, how the reward moved, where it is."""
-    q = max(1, len(rewards) // 4)  # rewards: every iteration's reward_mean, the resumed-from ones included
-    head, tail = (sum(part) / len(part) for part in (rewards[:q], rewards[-q:])) if rewards else (0, 0)
+    q, head, tail = quarter_means(rewards)  # rewards: every iteration's reward_mean, the resumed-from ones included
     start = f"from {args.init_from}" if args.init_from else f"a new LoRA (rank {args.lora_rank})"
     lines = ["", "==== what happened ====",
              f"trained  {model_label(args.model_name)}, {start}: {args.iterations} iterations of {args.batch_size} "
@@ -3271,7 +3278,7 @@ def say_assumptions(args, job):
     say(f"estimate assumes per episode: {a['turns']:.3g} turn(s), {a['completion_tokens']:.4g} sampled tokens per "
         f"turn, {a['observation_tokens']:.4g} observation tokens before each later turn, a {a['prompt_tokens']:.0f}-token "
         f"prompt (mean) ({a['source']})")
-# ==== END SHARED CODE (sha256 e6d8913344ad) ====
+# ==== END SHARED CODE (sha256 c43373edddb7) ====
 
 
 if __name__ == "__main__":
