@@ -27,7 +27,9 @@ def pytest_xdist_auto_num_workers(config):
 # tail of another's, so a long test started late stretches the end of the run while the other worker waits.
 # The real-model modules come before them, together: they share one session server of the real model and one SFT
 # run on it (local_real_tinker, local_real_sft_run), so they must land in one worker's share, not two.
-REAL_MODEL_MODULES = ("test_sft_real_e2e.py", "test_real_rehearsals_e2e.py", "test_local_real.py")
+# test_local_real.py goes first: its own `serve --real` (a module fixture) stops before the session's real server
+# starts, so two real engines (2.5 to 9 GB each) never run at once (an OOM kill on the 24 GB CI machine otherwise).
+REAL_MODEL_MODULES = ("test_local_real.py", "test_sft_real_e2e.py", "test_real_rehearsals_e2e.py")
 FIRST = REAL_MODEL_MODULES + ("test_faults_e2e.py", "test_journey_e2e.py", "test_rl_agentic_e2e.py",
                               "test_distill_e2e.py")
 

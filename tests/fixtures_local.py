@@ -186,6 +186,9 @@ def local_tinker(request):
         server.stop()
 
 
+REAL_SESSION_ADAPTERS = 8
+
+
 @pytest.fixture(scope="session")
 def local_real_tinker(request):
     """One server of the real model (SmolLM2-135M-Instruct, `tinker_local.py setup --real`, run once here: it is
@@ -196,7 +199,10 @@ def local_real_tinker(request):
     venv, home = request.getfixturevalue("local_backend_install")
     try:
         tinker_local.setup(venv, home, python=sys.executable if sys.version_info[:2] == (3, 11) else None, real=True)
-        server = tinker_local.start_server(tinker_local.DEFAULT_MODEL, venv=venv, home=home, real=True)
+        # 8 adapter slots, not 14: the real model's slots cost ~90 MB each and its engine peaks near 9 GB beside
+        # the other worker's servers on the 24 GB CI machine; the real tests run one script at a time
+        server = tinker_local.start_server(tinker_local.DEFAULT_MODEL, venv=venv, home=home, real=True,
+                                           max_lora_adapters=REAL_SESSION_ADAPTERS)
     except tinker_local.LocalError as exc:
         pytest.fail(f"local Tinker backend (real model): {exc}", pytrace=False)
     try:
