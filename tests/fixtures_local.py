@@ -186,6 +186,9 @@ def local_tinker(request):
         server.stop()
 
 
+# Adapter slots of the session's real server, not the default 14: a real-model slot costs ~90 MB (idle engine 3.4 GB
+# at 4 slots, 4.3 GB at 14), its engine peaks near 9 GB beside the other worker's servers on the 24 GB CI machine,
+# and the real tests run one script at a time.
 REAL_SESSION_ADAPTERS = 8
 
 
@@ -199,8 +202,6 @@ def local_real_tinker(request):
     venv, home = request.getfixturevalue("local_backend_install")
     try:
         tinker_local.setup(venv, home, python=sys.executable if sys.version_info[:2] == (3, 11) else None, real=True)
-        # 8 adapter slots, not 14: the real model's slots cost ~90 MB each and its engine peaks near 9 GB beside
-        # the other worker's servers on the 24 GB CI machine; the real tests run one script at a time
         server = tinker_local.start_server(tinker_local.DEFAULT_MODEL, venv=venv, home=home, real=True,
                                            max_lora_adapters=REAL_SESSION_ADAPTERS)
     except tinker_local.LocalError as exc:
