@@ -1,5 +1,6 @@
 """Shared fixtures: the local Tinker backend and offline tokenizers (see DEVELOPING.md)."""
 import os
+import warnings
 
 import pytest
 
@@ -25,18 +26,31 @@ def pytest_xdist_auto_num_workers(config):
 
 # Modules run first, longest first: worksteal hands each worker a contiguous share and an idle worker takes the
 # tail of another's, so a long test started late stretches the end of the run while the other worker waits.
-# The real-model modules come before them, together: they share one session server of the real model and one SFT
-# run on it (local_real_tinker, local_real_sft_run), so they must land in one worker's share, not two.
-# test_local_real.py goes first: its own `serve --real` (a module fixture) stops before the session's real server
-# starts, so two real engines (2.5 to 9 GB each) never run at once (an OOM kill on the 24 GB CI machine otherwise).
-REAL_MODEL_MODULES = ("test_local_real.py", "test_sft_real_e2e.py", "test_real_rehearsals_e2e.py")
-FIRST = REAL_MODEL_MODULES + ("test_faults_e2e.py", "test_journey_e2e.py", "test_rl_agentic_e2e.py",
-                              "test_distill_e2e.py")
+FIRST = ("test_faults_e2e.py", "test_journey_e2e.py", "test_rl_agentic_e2e.py", "test_distill_e2e.py")
+
+# The real-model tests (marked `real_model`: test_local_real.py, test_sft_real_e2e.py, test_real_rehearsals_e2e.py)
+# run in a pytest of their own, one process, after the parallel one (README's test command:
+# `pytest -m "not real_model" && pytest -m real_model -n 0`). The real engine's working set is 7 to 9 GB during a
+# distillation or RL rehearsal; beside the other worker's servers (tiny engines of 1.4 to 3.8 GB each, its pytest
+# ~2.5 GB) the kernel OOM-killed it twice on the 24 GB CI machine (dmesg, 1ae9aac and 718ce20). In their own run
+# test_local_real.py goes first, so its own `serve --real` stops before the session's real server starts.
+REAL_FIRST = ("test_local_real.py", "test_sft_real_e2e.py", "test_real_rehearsals_e2e.py")
+REAL_MODEL_COMMAND = ".venv/bin/python -m pytest -m real_model -n 0"
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))
+    order = REAL_FIRST + FIRST
+    rank = {name: i for i, name in enumerate(order)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(order)))
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    real = [item for item in items if item.get_closest_marker("real_model")]
+    if workers > 1 and real:
+        # Never two real engines, nor one beside another worker's servers: they run in their own pytest.
+        items[:] = [item for item in items if not item.get_closest_marker("real_model")]
+        config.hook.pytest_deselected(items=real)
+        warnings.warn(pytest.PytestWarning(
+            f"{len(real)} real-model test(s) deselected: they do not run beside other workers (memory); "
+            f"run them with `{REAL_MODEL_COMMAND}` (README's test command does)"))
 
 
 def pytest_configure(config):

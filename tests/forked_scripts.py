@@ -72,7 +72,7 @@ PRELOAD_ATTRS = (("transformers", "AutoTokenizer"), ("transformers", "PreTrained
 IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "MKL_", "OPENBLAS_",
                    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONNOUSERSITE", "PYTHONSAFEPATH",
                    "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONOPTIMIZE", "LANG", "LC_", "TINKER_LOG", "NUMPY_", "NPY_")
-MAX_ZYGOTES = 2  # alive at once per pytest process (~0.4 GB each); the least recently used one is stopped
+MAX_ZYGOTES = 4  # alive at once per pytest process (~0.4 GB each); the least recently used one is stopped
 ALLOWED = {"capture_output", "stdout", "stderr", "stdin", "input", "text", "universal_newlines", "encoding",
            "errors", "env", "cwd", "timeout", "check"}
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.real_model
+
 import tinker_local
 
 SCRIPT = Path(tinker_local.__file__).resolve()

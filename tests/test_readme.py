@@ -14,7 +14,8 @@ def readme_commands():
 def test_readme_opens_with_exactly_two_commands_rehearsal_then_tests():
     first, second = readme_commands()
     assert "tinker_local.py setup" in first and "tinker_local.py run --" in first and "tinker_sft.py" in first
-    assert second.endswith("-m pytest")
+    # the suite in parallel, then the real-model tests in one process of their own (tests/conftest.py)
+    assert second.endswith('-m pytest -m "not real_model" && .venv/bin/python -m pytest -m real_model -n 0')
 
 
 def test_ci_runs_the_readme_test_command_verbatim():

@@ -20,7 +20,7 @@ import pytest
 from fixtures_local import ROOT
 from test_journey_e2e import OWN_REWARD, SUPPORT, SYSTEM
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from fixtures_local import ROOT
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.real_model]
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
