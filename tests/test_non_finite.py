@@ -103,8 +103,11 @@ def test_edited_command_wraps_in_the_launcher_that_started_the_run(tmp_path, mon
 
 
 @pytest.mark.e2e
-def test_a_diverging_sft_run_stops_with_exit_1_and_no_ok(local_tinker, tmp_path):
-    """A learning rate of 1e30 on the local backend: step 1 trains, step 2's loss is NaN, the run stops."""
+@pytest.mark.parametrize("backend", ["local_tinker", pytest.param("local_real_tinker", marks=pytest.mark.real_model)])
+def test_a_diverging_sft_run_stops_with_exit_1_and_no_ok(backend, request, tmp_path):
+    """A learning rate of 1e30 on the local backend, on the tiny model and on the real one (SmolLM2-135M-Instruct):
+    the run stops at the first NaN loss, exit 1, no "ok", the diverged step's checkpoint not recorded."""
+    local_tinker = request.getfixturevalue(backend)
     data = tmp_path / "data.jsonl"
     row = {"messages": [{"role": "user", "content": "What colour is the sky?"},
                         {"role": "assistant", "content": "Blue."}]}
