@@ -38,6 +38,7 @@ REAL_FIRST = ("test_local_real.py", "test_sft_real_e2e.py", "test_real_rehearsal
 REAL_MODEL_COMMAND = ".venv/bin/python -m pytest -m real_model -n 0"
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: `-m "not real_model"` leaves nothing to warn about
 def pytest_collection_modifyitems(config, items):
     order = REAL_FIRST + FIRST
     rank = {name: i for i, name in enumerate(order)}
