@@ -330,8 +330,7 @@ def test_compute_logprobs_follows_tinkers_contract_and_agrees_with_the_learner(s
     _, training, tokenizer = sdk
     data = datums(tokenizer)[:1]
     ids = tokenizer.encode(TEXTS[0])
-    sampler = training.save_weights_and_get_sampling_client("e2e-logprobs")
-    sampler = sampler.result() if hasattr(sampler, "result") else sampler
+    sampler = training.save_weights_and_get_sampling_client().result()  # SDK 0.38: a future; `name` is deprecated
     got = sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()
     assert len(got) == len(ids) and got[0] is None
     learner = training.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
