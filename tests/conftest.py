@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
     real = [item for item in items if item.get_closest_marker("real_model")]
     if workers > 1 and real:
         # Never two real engines, nor one beside another worker's servers: they run in their own pytest.
-        items[:] = [item for item in items if not item.get_closest_marker("real_model")]
+        items[:] = [item for item in items if item not in real]
         config.hook.pytest_deselected(items=real)
         warnings.warn(pytest.PytestWarning(
             f"{len(real)} real-model test(s) deselected: they do not run beside other workers (memory); "

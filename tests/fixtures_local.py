@@ -187,8 +187,8 @@ def local_tinker(request):
 
 
 # Adapter slots of the session's real server, not the default 14: a real-model slot costs ~90 MB (idle engine 3.4 GB
-# at 4 slots, 4.3 GB at 14), its engine peaks near 9 GB beside the other worker's servers on the 24 GB CI machine,
-# and the real tests run one script at a time.
+# at 4 slots, 4.3 GB at 14), its engine peaks near 9 GB while it trains, and the real tests run one script at a time
+# (in a pytest of their own, tests/conftest.py).
 REAL_SESSION_ADAPTERS = 8
 
 

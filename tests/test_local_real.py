@@ -21,10 +21,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.real_model
-
 import tinker_local
 
+pytestmark = pytest.mark.real_model
 SCRIPT = Path(tinker_local.__file__).resolve()
 REAL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
